@@ -1,0 +1,88 @@
+"""Timing on the GPU as METHOD.md asks: CUDA events, warm-up, L2 flushed before every sample,
+median of many samples with its spread, and the copy bandwidth measured in the same run."""
+
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+from typing import Callable, Dict, List
+
+import torch
+
+_FLUSH = None
+
+
+def flush_l2() -> None:
+    global _FLUSH
+    if _FLUSH is None:
+        _FLUSH = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")  # > 4x the H200's L2
+    _FLUSH.zero_()
+
+
+def time_ms(fn: Callable[[], object], warmup: int = 5, samples: int = 60) -> Dict[str, float]:
+    """Median device time of fn() in ms, each sample after an L2 flush."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(samples)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(samples)]
+    for s, e in zip(starts, ends):
+        flush_l2()
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    t = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
+    med = statistics.median(t)
+    return {"median_ms": med, "p10_ms": t[len(t) // 10], "p90_ms": t[(9 * len(t)) // 10], "samples": len(t)}
+
+
+def copy_bandwidth_gbps(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy rate, counting bytes read plus bytes written."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    t = time_ms(lambda: dst.copy_(src), warmup=3, samples=30)["median_ms"]
+    del src, dst
+    return 2 * nbytes / (t * 1e-3) / 1e9
+
+
+def environment(command: str) -> Dict[str, object]:
+    props = torch.cuda.get_device_properties(0)
+    try:
+        clocks = subprocess.run(
+            ["nvidia-smi", "--query-gpu=clocks.sm,clocks.mem,clocks.max.sm,driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=10,
+        ).stdout.strip()
+    except Exception as exc:  # nvidia-smi missing: record why
+        clocks = f"unavailable ({exc})"
+    import triton
+
+    return {
+        "gpu": props.name,
+        "sm_count": props.multi_processor_count,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": triton.__version__,
+        "python": sys.version.split()[0],
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": command,
+        "clocks_sm_mem_maxsm_driver": clocks,
+    }
+
+
+def write_json(path: str, payload: Dict[str, object]) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2)
+
+
+def print_table(rows: List[Dict[str, object]], cols: List[str]) -> None:
+    def fmt(v):
+        return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+    widths = [max(len(c), *(len(fmt(r.get(c, ""))) for r in rows)) for c in cols]
+    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
+    for r in rows:
+        print("  ".join(fmt(r.get(c, "")).ljust(w) for c, w in zip(cols, widths)))

@@ -1,0 +1,269 @@
+// The dispatcher facade: op contracts, backends, dispatch keys, policy and the router's decision.
+// Code outside src/core includes only this header (and kernelgate.h for the op API).
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <array>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace kernelgate {
+
+constexpr int kMaxTensorArgs = 8;
+constexpr int kMaxNamedDims = 8;
+constexpr int kMaxBackends = 16;
+
+using OpId = uint16_t;
+constexpr OpId kNoOp = 0xFFFF;  // log messages that concern no single op
+
+// Answer of a capability query. `reason` is a string literal (no allocation on the hot path);
+// it says why not when ok is false.
+struct Support {
+  bool ok = true;
+  const char* reason = "";
+  static Support yes() { return {true, ""}; }
+  static Support no(const char* why) { return {false, why}; }
+};
+
+enum class BackendKind : uint8_t { kReference, kKernelgate, kVendor, kPython };
+const char* backend_kind_name(BackendKind kind);
+
+// What the router sees of one call: the tensor arguments in schema order (nullptr for an absent
+// optional) and whether the call is part of a step that will run backward. Non-owning.
+struct CallView {
+  std::array<const at::Tensor*, kMaxTensorArgs> tensors{};
+  int num_tensors = 0;
+  bool grad = false;
+};
+
+// ---- Op contract ---------------------------------------------------------------------------
+
+// One dim of a tensor argument: a named dim, or a run of leading dims folded into one (`*rows`).
+struct DimSpec {
+  int named_dim = 0;
+  bool variadic = false;
+};
+
+enum class DTypeClass : uint8_t { kFloat, kIndex };
+
+struct TensorArgSpec {
+  std::string name;
+  bool optional = false;
+  DTypeClass dtype_class = DTypeClass::kFloat;
+  std::vector<DimSpec> dims;
+};
+
+// Declared once per op. `dims` names the dims of every tensor argument, in schema order:
+//   "x: [*rows, hidden]; weight?: [hidden]"     ('?' marks an optional tensor,
+//   "target: [rows] index"                        'index' an integer tensor).
+// Float tensors must all share one dtype from `dtypes`.
+struct OpContract {
+  std::string name;
+  std::string schema;
+  std::string dims;
+  std::vector<c10::ScalarType> dtypes;
+  // Values the harness tries for each scalar argument, e.g. {"eps", {1e-6, 1e-5, 0.1}}.
+  std::vector<std::pair<std::string, std::vector<double>>> scalar_test_values;
+
+  // Filled by parse_dims() (Registry::add_op calls it).
+  std::vector<TensorArgSpec> tensor_args;
+  std::vector<std::string> named_dims;
+};
+
+// Python's name of a dtype: "bfloat16", "float32", "int64".
+std::string dtype_name(c10::ScalarType t);
+
+// Parses contract.dims into tensor_args/named_dims; throws c10::Error on a malformed spec.
+void parse_dims(OpContract& contract);
+
+// Sizes of the named dims of one call, in contract.named_dims order.
+struct BoundDims {
+  std::array<int64_t, kMaxNamedDims> size{};
+};
+
+// Checks a call against the contract (presence, device, dtype, rank, named-dim agreement) and
+// returns the bound sizes. Throws c10::Error with a message naming the argument, what was expected
+// and what came.
+BoundDims check_call(const OpContract& contract, const CallView& call);
+
+// ---- Backends --------------------------------------------------------------------------------
+
+struct BackendDesc {
+  std::string name;  // unique within the op: "reference", "aten", "kernelgate_cuda", ...
+  BackendKind kind = BackendKind::kReference;
+  // Evaluated once, at registration: is this backend in the build / importable at all.
+  std::function<Support()> available;
+  // Exact and cheap; never throws. Called on the hot path for the ranked candidates.
+  std::function<Support(const CallView&)> can_implement;
+};
+
+// ---- Dispatch key ----------------------------------------------------------------------------
+
+enum class AlignClass : uint8_t {
+  kVec16 = 0,       // every tensor contiguous, 16-byte aligned, innermost dim a multiple of 16 B
+  kContiguous = 1,  // every tensor contiguous, some not 16-byte aligned
+  kStrided = 2,     // some tensor is not contiguous
+};
+const char* align_class_name(AlignClass a);
+
+constexpr uint8_t kAbsentDType = 0xFF;
+constexpr uint8_t kEmptyBucket = 0xFF;  // a named dim of size 0
+constexpr int16_t kCpuArch = -1;
+
+struct DispatchKey {
+  OpId op = 0;
+  int16_t arch = kCpuArch;  // major * 10 + minor for CUDA devices
+  std::array<uint8_t, kMaxTensorArgs> dtypes{};
+  std::array<uint8_t, kMaxNamedDims> buckets{};
+  AlignClass align = AlignClass::kVec16;
+  uint8_t grad = 0;
+  uint16_t pad_ = 0;
+
+  bool operator==(const DispatchKey& o) const;
+  size_t hash() const;
+};
+static_assert(sizeof(DispatchKey) == 24, "DispatchKey is packed into three words");
+
+// ceil(log2(n)) for n >= 1; kEmptyBucket for n == 0.
+uint8_t size_bucket(int64_t n);
+AlignClass align_class(const CallView& call);
+// Human-readable form, e.g. "rms_norm sm_90 bfloat16,bfloat16 rows<=2^14 hidden<=2^12 vec16 grad".
+std::string describe_key(const DispatchKey& key);
+
+// ---- Policy ----------------------------------------------------------------------------------
+
+// A rule of the in-memory policy: fields left at their wildcard match every key.
+struct PolicyRule {
+  std::string op;
+  int arch = -2;                 // -2: any; kCpuArch: CPU
+  int dtype = -1;                // ScalarType of the first tensor, -1: any
+  std::vector<int> max_buckets;  // per named dim, key bucket must be <= this (empty: any)
+  int align = -1;                // AlignClass, -1: any
+  int grad = -1;                 // 0/1, -1: any
+  std::vector<std::string> ranked;  // fastest first
+  std::string evidence;             // where the ranking came from
+};
+
+// Maps a key to the backends proven correct for it, fastest first. Never on the hot path: the
+// dispatcher asks once per key and caches the answer.
+class PolicySource {
+ public:
+  virtual ~PolicySource() = default;
+  // Empty when the source holds no evidence for the key. `evidence` receives a short provenance.
+  virtual std::vector<std::string> ranked(const std::string& op, const DispatchKey& key,
+                                          std::string* evidence) const = 0;
+  virtual std::string describe() const = 0;
+};
+
+class InMemoryPolicy final : public PolicySource {
+ public:
+  void add(PolicyRule rule);
+  void clear();
+  size_t size() const;
+  std::vector<std::string> ranked(const std::string& op, const DispatchKey& key,
+                                  std::string* evidence) const override;
+  std::string describe() const override;
+
+ private:
+  mutable std::mutex mu_;
+  std::vector<PolicyRule> rules_;  // first match wins
+};
+
+// ---- Dispatcher ------------------------------------------------------------------------------
+
+enum class LogLevel : uint8_t { kInfo, kWarning };
+using LogHook = std::function<void(LogLevel, const std::string& op, const std::string& message)>;
+
+struct CandidateReport {
+  std::string backend;
+  std::string kind;
+  bool selected = false;
+  std::string reason;  // why it was chosen or passed over
+};
+
+struct Explanation {
+  std::string op;
+  std::string key;
+  std::string backend;  // the one that serves the call
+  std::string reason;   // why
+  std::vector<CandidateReport> candidates;
+};
+
+// An op as the router sees it: its contract and backends, local index 0 being the reference.
+struct OpEntry {
+  OpId id = 0;
+  OpContract contract;
+  std::vector<BackendDesc> backends;
+  std::vector<Support> availability;  // per backend, evaluated at registration
+};
+
+class Dispatcher {
+ public:
+  // The process-wide dispatcher; registers every built-in op on first use.
+  static Dispatcher& get();
+
+  // Registration (explicit, done by each op's register function).
+  OpId add_op(OpContract contract, BackendDesc reference);
+  int add_backend(OpId op, BackendDesc backend);  // returns the local index
+  const OpEntry& op(OpId id) const;
+  const OpEntry* find_op(const std::string& name) const;
+  std::vector<std::string> op_names() const;
+
+  // Hot path: the local index of the backend that serves this call (0 = reference). `dims` comes
+  // from check_call on the same call.
+  int select(OpId op, const CallView& call, const BoundDims& dims);
+  DispatchKey make_key(OpId op, const CallView& call, const BoundDims& dims) const;
+  Explanation explain(OpId op, const CallView& call, const BoundDims& dims);
+
+  // Policy snapshot: the in-memory source by default; rules added here go to it. Every change
+  // drops the cached decisions.
+  void set_policy(std::shared_ptr<PolicySource> policy);
+  void add_policy_rule(PolicyRule rule);
+  void clear_policy();
+  std::string describe_policy() const;
+
+  // Overrides, process-wide. op "" means every op. Forcing wins over policy; an excluded backend
+  // is never chosen (the reference cannot be excluded). A forced backend that cannot implement a
+  // call falls back to the normal decision (policy, then reference) with a logged warning.
+  void force(const std::string& op, const std::string& backend);
+  void exclude(const std::string& op, const std::string& backend);
+  void clear_overrides();
+  struct Overrides {
+    std::vector<std::pair<std::string, std::string>> forced, excluded;
+  };
+  Overrides overrides() const;
+  void set_overrides(Overrides o);
+
+  // Logging: each (op, reason) reaches the hook once per process.
+  void set_log_hook(LogHook hook);
+  void log_once(LogLevel level, OpId op, const std::string& reason);
+  void reset_log_once();  // tests only
+
+  // Reads KERNELGATE_FORCE / KERNELGATE_EXCLUDE / KERNELGATE_LOG (once, before the first decision;
+  // tests call it again after changing the environment). A malformed value: one warning, default.
+  void apply_env();
+
+  ~Dispatcher();
+
+ private:
+  Dispatcher();
+
+ public:
+  struct Impl;  // defined in dispatcher.cpp
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+// Registers every built-in op with the dispatcher (defined in src/ops/all_ops.cpp).
+void register_builtin_ops(Dispatcher& d);
+
+// Device facts the key needs; provided by the CUDA part of the build when present.
+int cuda_arch(int device_index);        // major*10+minor, or 0 if unknown
+void set_cuda_arch_provider(int (*provider)(int device_index));
+
+}  // namespace kernelgate

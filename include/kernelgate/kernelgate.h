@@ -1,0 +1,27 @@
+// kernelgate's C++ API: each op routed to the fastest backend proven correct for the call.
+// Calls go through PyTorch's dispatcher, so autograd, torch.compile and CUDA graphs work as they
+// do from Python (torch.ops.kernelgate.<op>).
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+
+#include "kernelgate/dispatch.h"
+
+namespace torch {
+class Library;
+}
+
+namespace kernelgate {
+
+// Normalises x over its last dim by its root mean square (float32 accumulation) and scales by
+// weight; returns x's dtype.
+at::Tensor rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& weight = std::nullopt,
+                    double eps = 1e-6);
+
+// Per-op registration, called from src/ops/all_ops.cpp.
+OpContract rms_norm_contract();
+void define_rms_norm(torch::Library& m);
+void register_rms_norm(Dispatcher& d);
+
+}  // namespace kernelgate

@@ -1,0 +1,21 @@
+"""kernelgate: every op call routed to the fastest kernel proven correct for it.
+
+    import kernelgate as kg
+    y = kg.rms_norm(x, weight, eps=1e-6)
+    print(kg.explain("rms_norm", x, weight))
+
+The decision is made in C++ (libkernelgate); this package loads it and adds a thin face.
+"""
+
+import torch  # noqa: F401  (loads LibTorch before our library)
+
+from . import _C  # noqa: F401  (registers torch.ops.kernelgate)
+from ._api import Explanation, explain, ops, use
+from ._logging import install_log_hook
+from ._ops import rms_norm
+from . import policy
+
+__version__ = "0.1.0"
+__all__ = ["rms_norm", "explain", "ops", "use", "policy", "Explanation", "__version__"]
+
+install_log_hook()

@@ -1,0 +1,133 @@
+"""explain, ops and the override context manager."""
+
+import contextlib
+import dataclasses
+from typing import Dict, Iterable, Iterator, List, Mapping, Optional, Union
+
+import torch
+
+from . import _C
+
+
+@dataclasses.dataclass
+class Candidate:
+    backend: str
+    kind: str
+    selected: bool
+    reason: str
+
+
+@dataclasses.dataclass
+class Explanation:
+    """Why a call goes where it goes: the serving backend and every candidate's reason."""
+
+    op: str
+    key: str
+    backend: str
+    reason: str
+    candidates: List[Candidate]
+
+    def __str__(self) -> str:
+        lines = [f"{self.op} -> {self.backend}: {self.reason}", f"  key: {self.key}"]
+        width = max(len(c.backend) for c in self.candidates)
+        for c in self.candidates:
+            mark = "*" if c.selected else " "
+            lines.append(f"  {mark} {c.backend:<{width}}  [{c.kind}] {c.reason}")
+        return "\n".join(lines)
+
+
+def ops() -> List[dict]:
+    """Every op with its contract and backends (availability and reason)."""
+    return _C.ops()
+
+
+def _op_info(op: str) -> dict:
+    for info in _C.ops():
+        if info["name"] == op:
+            return info
+    names = ", ".join(i["name"] for i in _C.ops())
+    raise ValueError(f"unknown op '{op}'; kernelgate has: {names}")
+
+
+def explain(op: str, *args, **kwargs) -> Explanation:
+    """The decision the dispatcher makes for `op(*args, **kwargs)`, without running it."""
+    info = _op_info(op)
+    schema = getattr(torch.ops.kernelgate, op).default._schema
+    names = [a.name for a in schema.arguments]
+    if len(args) > len(names):
+        raise TypeError(f"{op} takes {len(names)} arguments, got {len(args)}")
+    bound = dict(zip(names, args))
+    for k, v in kwargs.items():
+        if k not in names:
+            raise TypeError(f"{op} has no argument '{k}'; its schema is {schema}")
+        if k in bound:
+            raise TypeError(f"{op} got argument '{k}' twice")
+        bound[k] = v
+    tensors = [bound.get(name) for name in info["tensor_args"]]
+    grad = torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in tensors
+    )
+    d = _C.explain(op, tensors, grad)
+    return Explanation(
+        op=d["op"],
+        key=d["key"],
+        backend=d["backend"],
+        reason=d["reason"],
+        candidates=[Candidate(**c) for c in d["candidates"]],
+    )
+
+
+Spec = Union[None, str, Mapping[str, Union[str, Iterable[str]]], Iterable[str]]
+
+
+def _pairs(spec: Spec, what: str, single: bool) -> List[tuple]:
+    """Normalises a force/exclude spec to (op, backend) pairs; op '' means every op."""
+    if spec is None:
+        return []
+    if isinstance(spec, str):
+        pairs = [("", spec)]
+    elif isinstance(spec, Mapping):
+        pairs = []
+        for op, backends in spec.items():
+            if isinstance(backends, str):
+                backends = [backends]
+            elif single:
+                raise TypeError(f"{what}: give one backend per op, got {backends!r} for '{op}'")
+            pairs.extend((op, b) for b in backends)
+    elif not single:
+        pairs = [("", b) for b in spec]
+    else:
+        raise TypeError(f"{what} must be a backend name or a dict op -> backend, got {spec!r}")
+    known: Dict[str, set] = {i["name"]: {b["name"] for b in i["backends"]} for i in _C.ops()}
+    for op, backend in pairs:
+        if op and op not in known:
+            raise ValueError(f"{what}: unknown op '{op}'; kernelgate has: {', '.join(known)}")
+        scope = [known[op]] if op else list(known.values())
+        if not any(backend in s for s in scope):
+            where = f"op '{op}'" if op else "any op"
+            raise ValueError(f"{what}: {where} has no backend '{backend}'")
+    return pairs
+
+
+@contextlib.contextmanager
+def use(force: Spec = None, exclude: Spec = None) -> Iterator[None]:
+    """Force or exclude backends inside a `with` block (process-wide, restored on exit).
+
+        with kg.use(force="kernelgate_cuda"): ...                 # every op
+        with kg.use(force={"rms_norm": "aten"}): ...
+        with kg.use(exclude=["kernelgate_cuda"]): ...
+
+    A forced backend that cannot implement a call falls back to the normal decision (policy, then
+    the reference), with a logged warning. The reference cannot be excluded.
+    """
+    forced = _pairs(force, "force", single=True)
+    excluded = _pairs(exclude, "exclude", single=False)
+    if any(b == "reference" for _, b in excluded):
+        raise ValueError("exclude: the reference cannot be excluded; it serves every call nothing else may")
+    saved = _C.get_overrides()
+    new_forced = [p for p in saved[0] if p[0] not in {op for op, _ in forced}] + forced
+    _C.set_overrides(new_forced, list(saved[1]) + excluded)
+    try:
+        yield
+    finally:
+        _C.set_overrides(*saved)

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# On a GPU machine: build (with C++ tests and benchmarks), run the C++ tests, the GPU tests and
+# the benchmarks; logs and JSON go to $OUT (default ./gpu_out). Prints a short summary last.
+# Where GoogleTest / Google Benchmark are not installed, a prefix holding them can be given as
+# KG_PREFIX (include/ and lib/, lib/cmake/benchmark).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu_out}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+PREFIX=${KG_PREFIX:-$PWD/.carry/prefix}
+export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-16}
+export LD_LIBRARY_PATH="$PREFIX/lib:${LD_LIBRARY_PATH:-}"
+export PYTHONUNBUFFERED=1
+[ -d /usr/local/cuda/bin ] && export PATH="/usr/local/cuda/bin:$PATH"
+status=0
+
+step() { echo "== $1"; }
+
+step build
+"$PY" -c 'import sysconfig, os, torch; inc = sysconfig.get_paths()["include"]; print("python", sysconfig.get_python_version(), "headers", inc, os.path.exists(os.path.join(inc, "Python.h")), "torch", torch.__version__)'
+start=$(date +%s)
+if ! "$PY" -m pip install --no-build-isolation --no-deps --no-index -v \
+    -C build-dir=build/gpu -C cmake.define.KERNELGATE_BUILD_TESTS=ON \
+    -C cmake.define.CMAKE_PREFIX_PATH="$PREFIX" -C cmake.define.GTEST_ROOT="$PREFIX" . \
+    >"$OUT/build.log" 2>&1; then
+  tail -40 "$OUT/build.log"
+  echo "BUILD FAILED"
+  exit 1
+fi
+echo "build: $(( $(date +%s) - start )) s; $(grep -o 'CUDA kernels [A-Z]*' "$OUT/build.log" | head -1)"
+
+step "C++ tests"
+ctest --test-dir build/gpu --output-on-failure >"$OUT/ctest.log" 2>&1 || status=1
+tail -3 "$OUT/ctest.log"
+
+step "GPU tests"
+(cd tests/python && "$PY" -m pytest -q -p no:cacheprovider -m gpu --junitxml="$OUT/pytest_gpu.xml" -x . ) \
+  >"$OUT/pytest_gpu.log" 2>&1 || status=1
+grep -E "passed|failed|error" "$OUT/pytest_gpu.log" | tail -15
+
+step "main job (kernelgate demo)"
+kernelgate demo >"$OUT/demo.log" 2>&1 || status=1
+grep -E "^rms_norm ->|passed" "$OUT/demo.log"
+
+step benchmarks
+(cd bench && "$PY" bench_rms_norm.py --out "$OUT/rms_norm.json") 2>&1 | tail -12 || status=1
+(cd bench && "$PY" bench_dispatch.py --lib ../build/gpu/bench/cpp/libkgbench_ops.so \
+  --out "$OUT/dispatch.json") 2>&1 | tail -6 || status=1
+if [ -x build/gpu/bench/cpp/dispatch_bench ]; then
+  build/gpu/bench/cpp/dispatch_bench --benchmark_min_time=0.5 --benchmark_out="$OUT/dispatch_cpp.json" \
+    --benchmark_out_format=json 2>&1 | tail -5
+fi
+exit $status

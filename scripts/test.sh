@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Installs everything kernelgate needs and runs every test this machine can run:
+# the C++ tests (CTest) and the Python tests (pytest); GPU tests too when a CUDA GPU is present.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+
+"$PY" -m pip install -q -r requirements-dev.txt
+
+# One CMake build serves both the installed package and the C++ tests.
+"$PY" -m pip install -q --no-build-isolation --no-deps \
+  -C build-dir=build/release -C cmake.define.KERNELGATE_BUILD_TESTS=ON .
+
+if "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+  ctest --test-dir build/release --output-on-failure
+  (cd tests/python && "$PY" -m pytest -q -p no:cacheprovider .)
+else
+  echo "no CUDA GPU here: GPU tests (label/marker 'gpu') are not run; run scripts/gpu_check.sh on a GPU machine"
+  ctest --test-dir build/release --output-on-failure -LE gpu
+  (cd tests/python && "$PY" -m pytest -q -p no:cacheprovider -m "not gpu" .)
+fi

@@ -1,0 +1,88 @@
+// Helpers shared by op launchers: 2-D row views for the kernels, dtype mapping, CUDA context.
+// Included only by src/ops/*.cpp (it sees at::Tensor; kernels never do).
+#pragma once
+#include <ATen/ATen.h>
+
+#include "kernelgate/dispatch.h"
+#include "kernels/dtype.h"
+
+#ifdef KERNELGATE_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_runtime_api.h>
+#endif
+
+namespace kernelgate {
+
+// A tensor seen as [rows, size(-1)] with a unit-stride last dim and one row stride. When the
+// leading dims cannot be folded into one stride, `data` is a contiguous copy.
+struct RowView {
+  at::Tensor data;
+  int64_t rows = 0;
+  int64_t row_stride = 0;
+};
+
+inline RowView row_view(const at::Tensor& x) {
+  const int64_t inner = x.size(-1);
+  const int64_t rows = inner == 0 ? 0 : x.numel() / inner;
+  if (rows <= 1 && (inner <= 1 || x.stride(-1) == 1)) return {x, rows, inner};
+  if (x.stride(-1) == 1 || inner == 1) {
+    // Leading dims fold into one stride when each (non-unit) one steps over the next.
+    int64_t expected = -1;
+    bool foldable = true;
+    for (int64_t i = x.dim() - 2; i >= 0; --i) {
+      if (x.size(i) == 1) continue;
+      if (expected >= 0 && x.stride(i) != expected) {
+        foldable = false;
+        break;
+      }
+      if (expected < 0) expected = x.stride(i);
+      expected *= x.size(i);
+    }
+    if (foldable) {
+      int64_t stride = inner;
+      for (int64_t i = x.dim() - 2; i >= 0; --i) {
+        if (x.size(i) != 1) {
+          stride = x.stride(i);
+          break;
+        }
+      }
+      return {x, rows, stride};
+    }
+  }
+  return {x.contiguous(), rows, inner};
+}
+
+inline kernels::DType kernel_dtype(c10::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return kernels::DType::kFloat32;
+    case at::kHalf: return kernels::DType::kFloat16;
+    case at::kBFloat16: return kernels::DType::kBFloat16;
+    default: TORCH_INTERNAL_ASSERT(false, "no kernel dtype for ", t);
+  }
+  return kernels::DType::kFloat32;
+}
+
+#ifdef KERNELGATE_WITH_CUDA
+// Device guard, current stream and SM count for a launch on x's device.
+struct CudaContext {
+  c10::cuda::CUDAGuard guard;
+  void* stream;
+  int sm_count;
+  explicit CudaContext(const at::Tensor& x)
+      : guard(x.device()),
+        stream(at::cuda::getCurrentCUDAStream(x.get_device()).stream()),
+        sm_count(at::cuda::getDeviceProperties(x.get_device())->multiProcessorCount) {}
+};
+
+inline void check_cuda(int rc, const char* what) {
+  TORCH_CHECK(rc == 0, what, " kernel launch failed: ",
+              cudaGetErrorString(static_cast<cudaError_t>(rc)));
+}
+
+inline Support cuda_available() {
+  return at::cuda::is_available() ? Support::yes() : Support::no("no CUDA device is visible");
+}
+#endif
+
+}  // namespace kernelgate

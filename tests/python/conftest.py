@@ -1,0 +1,29 @@
+import pytest
+import torch
+
+import kernelgate as kg
+
+
+def pytest_collection_modifyitems(config, items):
+    # A GPU test that runs where there is no GPU fails; it is never silently skipped. Machines
+    # without a GPU deselect them with -m "not gpu" (scripts/test.sh does), which pytest reports.
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(pytest.mark.usefixtures("require_cuda"))
+
+
+@pytest.fixture
+def require_cuda():
+    if not torch.cuda.is_available():
+        pytest.fail("this GPU test needs a CUDA device; deselect GPU tests with -m 'not gpu'")
+
+
+@pytest.fixture(autouse=True)
+def clean_dispatcher():
+    """Every test starts with an empty policy and no overrides, and leaves it so."""
+    kg.policy.clear()
+    kg._C.set_overrides([], [])
+    kg._C.reset_log_once()
+    yield
+    kg.policy.clear()
+    kg._C.set_overrides([], [])

@@ -1,0 +1,409 @@
+"""rms_norm: every backend against the float64 oracle, forward and both gradients, on odd shapes,
+non-contiguous layouts and hard value regimes; autograd, opcheck, torch.compile, CUDA graphs and
+clear errors for bad input."""
+
+import itertools
+
+import pytest
+import torch
+
+import kernelgate as kg
+from kernelgate.testing import check_against_oracle, poison_cuda_allocator
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+CPU_BACKENDS = ["reference", "kernelgate_cpu"]  # aten's fused backward is CUDA-only: see below
+CUDA_BACKENDS = ["reference", "aten", "kernelgate_cuda"]
+
+oracle_op = torch.ops.kernelgate._rms_norm_reference
+
+
+# Layouts: (make the leaf tensor, view of the leaf that the op receives). Gradients are taken
+# with respect to the leaf, so a layout bug in the backward shows up too.
+def _layouts(rows_shape, hidden):
+    full = (*rows_shape, hidden)
+    layouts = {"contiguous": (full, lambda t: t)}
+    if len(rows_shape) == 1:
+        rows = rows_shape[0]
+        layouts.update({
+            "transposed": ((hidden, rows), lambda t: t.t()),  # last-dim stride = rows
+            "row_strided": ((rows, hidden + 5), lambda t: t[:, :hidden]),  # padded rows
+            "offset": ((rows * hidden + 1,), lambda t: t[1:].view(full)),  # misaligned start
+            "expanded": ((1, hidden), lambda t: t.expand(rows, hidden)),  # row stride 0
+        })
+    return layouts
+
+
+def _values(shape, regime, dtype, device, gen):
+    x = torch.randn(shape, generator=gen, dtype=torch.float64)
+    if regime == "large":
+        x = x * 1e4 if dtype != torch.float16 else x * 5e3
+    elif regime == "small":
+        x = x * 1e-4  # comparable to eps: tests that eps is applied
+    elif regime == "offset":
+        x = x * 0.01 + 3.0  # large mean, small spread
+    return x.to(device=device, dtype=dtype)
+
+
+def _run(backend, x_leaf, view, w, eps, dy):
+    """Forward and gradients through kg.rms_norm with `backend` forced (and checked to serve)."""
+    xl = x_leaf.detach().clone().requires_grad_(True)
+    wl = None if w is None else w.detach().clone().requires_grad_(True)
+    with kg.use(force={"rms_norm": backend}):
+        x = view(xl)
+        assert kg.explain("rms_norm", x, wl).backend == backend
+        y = kg.rms_norm(x, wl, eps=eps)
+        inputs = [xl] if wl is None else [xl, wl]
+        grads = torch.autograd.grad(y, inputs, dy)
+    return y, grads
+
+
+def _oracle(x_leaf, view, w, eps, dy):
+    xl = x_leaf.detach().double().requires_grad_(True)
+    wl = None if w is None else w.detach().double().requires_grad_(True)
+    y = oracle_op(view(xl), wl, eps)
+    inputs = [xl] if wl is None else [xl, wl]
+    grads = torch.autograd.grad(y, inputs, dy.double())
+    return y, grads
+
+
+def check_backend(backend, device, dtype, rows_shape, hidden, layout="contiguous", regime="normal",
+                  with_weight=True, eps=1e-6, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    leaf_shape, view = _layouts(rows_shape, hidden)[layout]
+    x_leaf = _values(leaf_shape, regime, dtype, device, gen)
+    w = _values((hidden,), "normal", dtype, device, gen) if with_weight else None
+    y_shape = view(x_leaf).shape
+    dy = _values(y_shape, "normal", dtype, device, gen)
+    poison_cuda_allocator(x_leaf.device)
+    got, got_g = _run(backend, x_leaf, view, w, eps, dy)
+    ref, ref_g = _run("reference", x_leaf, view, w, eps, dy)
+    ora, ora_g = _oracle(x_leaf, view, w, eps, dy)
+    assert got.dtype == dtype and got.shape == y_shape and got.device == x_leaf.device
+    check_against_oracle("y", got, ref, ora, dtype)
+    for name, g, r, o in zip(["dx", "dweight"], got_g, ref_g, ora_g):
+        assert g.dtype == dtype
+        check_against_oracle(name, g, r, o, dtype)
+
+
+# ---- CPU (runs in CI) ------------------------------------------------------------------------
+
+SHAPES = [((1,), 1), ((1,), 7), ((3,), 33), ((17,), 4096), ((5,), 1000), ((2, 5), 4097), ((2, 3, 4), 64)]
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows_shape,hidden", SHAPES)
+def test_cpu_shapes(backend, dtype, rows_shape, hidden):
+    check_backend(backend, "cpu", dtype, rows_shape, hidden)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("layout", ["transposed", "row_strided", "offset", "expanded"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cpu_noncontiguous(backend, layout, dtype):
+    check_backend(backend, "cpu", dtype, (6,), 130, layout=layout)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("regime", ["large", "small", "offset"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cpu_value_regimes(backend, regime, dtype):
+    check_backend(backend, "cpu", dtype, (9,), 257, regime=regime)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("eps", [0.0, 1e-5, 0.1])
+def test_cpu_no_weight_and_eps(backend, eps):
+    check_backend(backend, "cpu", torch.float32, (4,), 65, with_weight=False, eps=eps, regime="small")
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_cpu_fresh_inputs_per_seed(backend, seed):
+    check_backend(backend, "cpu", torch.bfloat16, (7,), 96, seed=seed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows_shape,hidden", SHAPES)
+def test_cpu_aten_forward(dtype, rows_shape, hidden):
+    gen = torch.Generator().manual_seed(5)
+    x = _values((*rows_shape, hidden), "normal", dtype, "cpu", gen)
+    w = _values((hidden,), "normal", dtype, "cpu", gen)
+    with kg.use(force={"rms_norm": "aten"}):
+        assert kg.explain("rms_norm", x, w).backend == "aten"
+        got = kg.rms_norm(x, w)
+        # With grad it cannot serve on the CPU, and says why.
+        e = kg.explain("rms_norm", x.requires_grad_(), w)
+        assert e.backend == "reference"
+        assert "exists only for CUDA" in next(c.reason for c in e.candidates if c.backend == "aten")
+    check_against_oracle("y", got, kg.rms_norm(x.detach(), w), oracle_op(x.double(), w.double()), dtype)
+
+
+def _special_check(backend, device):
+    x = torch.randn(4, 16, device=device)
+    x[0, 3] = float("nan")
+    x[1, 5] = float("inf")
+    x[2, :] = 0.0  # an all-zero row: rstd = 1/sqrt(eps), y = 0
+    w = torch.randn(16, device=device)
+    with kg.use(force={"rms_norm": backend}):
+        y = kg.rms_norm(x, w)
+    o = oracle_op(x.double(), w.double(), 1e-6)
+    check_against_oracle("y", y, kg.rms_norm(x, w), o)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_cpu_special_values(backend):
+    _special_check(backend, "cpu")
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_cpu_empty_rows(backend):
+    x = torch.randn(0, 8, requires_grad=True)
+    w = torch.randn(8, requires_grad=True)
+    with kg.use(force={"rms_norm": backend}):
+        y = kg.rms_norm(x, w)
+        y.sum().backward()
+    assert y.shape == (0, 8)
+    assert x.grad.shape == (0, 8)
+    assert torch.equal(w.grad, torch.zeros(8))
+
+
+def test_default_is_reference_and_policy_routes():
+    x, w = torch.randn(4, 64), torch.randn(64)
+    e = kg.explain("rms_norm", x, w)
+    assert e.backend == "reference" and "no evidence" in e.reason
+    kg.policy.add_rule("rms_norm", ["kernelgate_cpu"], arch=-1, evidence="test rule")
+    e = kg.explain("rms_norm", x, w)
+    assert e.backend == "kernelgate_cpu" and "test rule" in e.reason
+    torch.testing.assert_close(kg.rms_norm(x, w), torch.ops.kernelgate._rms_norm_reference(x, w))
+
+
+def test_explain_reports_every_backend():
+    e = kg.explain("rms_norm", torch.randn(2, 8), weight=None, eps=1e-5)
+    assert {c.backend for c in e.candidates} == {"reference", "aten", "kernelgate_cpu", "kernelgate_cuda"}
+    assert sum(c.selected for c in e.candidates) == 1
+    assert all(c.reason for c in e.candidates)
+    assert "rms_norm cpu float32,none rows<=2^1 hidden<=2^3" in e.key
+    assert "kernelgate_cuda" in str(e)
+
+
+def test_use_restores_and_validates():
+    x = torch.randn(3, 8)
+    with kg.use(force="kernelgate_cpu"):
+        assert kg.explain("rms_norm", x).backend == "kernelgate_cpu"
+        with kg.use(force={"rms_norm": "aten"}):
+            assert kg.explain("rms_norm", x).backend == "aten"
+        assert kg.explain("rms_norm", x).backend == "kernelgate_cpu"
+    assert kg.explain("rms_norm", x).backend == "reference"
+    kg.policy.add_rule("rms_norm", ["kernelgate_cpu", "aten"])
+    with kg.use(exclude=["kernelgate_cpu"]):
+        assert kg.explain("rms_norm", x).backend == "aten"
+    with pytest.raises(ValueError, match="no backend 'nope'"):
+        with kg.use(force={"rms_norm": "nope"}):
+            pass
+    with pytest.raises(ValueError, match="unknown op 'nope'"):
+        with kg.use(force={"nope": "aten"}):
+            pass
+    with pytest.raises(ValueError, match="reference cannot be excluded"):
+        with kg.use(exclude="reference"):
+            pass
+
+
+def test_fallback_reason_logged_once(caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="kernelgate"):
+        for n in range(1, 200):
+            kg.rms_norm(torch.randn(n % 13 + 1, n % 31 + 1))
+    hits = [r for r in caplog.records if "no evidence for this region" in r.getMessage()]
+    assert len(hits) == 1
+    assert hits[0].name == "kernelgate"
+
+
+def test_forced_backend_that_cannot_serve_warns(caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="kernelgate"), kg.use(force="kernelgate_cuda"):
+        y = kg.rms_norm(torch.randn(2, 8))
+    assert y.shape == (2, 8)
+    assert any(r.levelno == logging.WARNING and "kernelgate_cuda" in r.getMessage() for r in caplog.records)
+
+
+# ---- bad input: clear errors naming the argument ------------------------------------------------
+
+@pytest.mark.parametrize(
+    "x,w,eps,match",
+    [
+        (torch.randn(2, 4096), torch.randn(4095), 1e-6, r"weight.size\(-1\) must be 4096 to match x.size\(-1\) \(hidden\), got 4095"),
+        (torch.randn(2, 8), torch.randn(2, 8), 1e-6, "weight must have 1 dim, got 2"),
+        (torch.randn(2, 8, dtype=torch.float64), None, 1e-6, "x must be a floating-point tensor of dtype float32, float16 or bfloat16, got float64"),
+        (torch.ones(2, 8, dtype=torch.int64), None, 1e-6, "got int64"),
+        (torch.randn(2, 8), torch.randn(8, dtype=torch.bfloat16), 1e-6, r"weight must have the dtype of x \(float32\), got bfloat16"),
+        (torch.randn(2, 0), None, 1e-6, r"x.size\(-1\) \(hidden\) must be at least 1, got 0"),
+        (torch.randn(()), None, 1e-6, "x must have at least 1 dim, got 0"),
+        (torch.randn(2, 8), None, -1.0, "eps must be a finite number >= 0, got -1"),
+        (torch.randn(2, 8), None, float("nan"), "eps must be a finite number >= 0, got nan"),
+    ],
+)
+def test_bad_input_errors(x, w, eps, match):
+    with pytest.raises(RuntimeError, match=match):
+        kg.rms_norm(x, w, eps=eps)
+    with pytest.raises(RuntimeError, match=match):
+        kg.rms_norm(x.to("meta"), None if w is None else w.to("meta"), eps=eps)
+
+
+def test_device_mismatch_error():
+    with pytest.raises(RuntimeError, match="weight must be on the same device as x"):
+        kg.rms_norm(torch.randn(2, 8), torch.randn(8, device="meta"))
+
+
+def test_meta_shapes():
+    y = kg.rms_norm(torch.empty(3, 5, 7, device="meta", dtype=torch.bfloat16), torch.empty(7, device="meta", dtype=torch.bfloat16))
+    assert y.shape == (3, 5, 7) and y.dtype == torch.bfloat16 and y.device.type == "meta"
+
+
+# ---- PyTorch integration ----------------------------------------------------------------------
+
+def _opcheck_args(device):
+    x = torch.randn(3, 5, 33, device=device, requires_grad=True)
+    w = torch.randn(33, device=device, requires_grad=True)
+    return [(x, w, 1e-6), (x.detach(), None, 1e-5), (x, None, 1e-6)]
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_opcheck_cpu(backend):
+    with kg.use(force={"rms_norm": backend}):
+        for args in _opcheck_args("cpu"):
+            torch.library.opcheck(torch.ops.kernelgate.rms_norm.default, args)
+
+
+def _compile_check(device, backend_name):
+    def block(x, w):
+        h = kg.rms_norm(x, w) * 2.0
+        return kg.rms_norm(h + x, None, eps=1e-5)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(block, fullgraph=True)
+    x = torch.randn(4, 6, 48, device=device, requires_grad=True)
+    w = torch.randn(48, device=device, requires_grad=True)
+    with kg.use(force={"rms_norm": backend_name}):
+        y = compiled(x, w)
+        gx, gw = torch.autograd.grad(y.sum(), [x, w])
+        ye = block(x, w)
+        ex, ew = torch.autograd.grad(ye.sum(), [x, w])
+    torch.testing.assert_close(y, ye)
+    torch.testing.assert_close(gx, ex)
+    torch.testing.assert_close(gw, ew)
+
+
+def test_torch_compile_fullgraph_cpu():
+    _compile_check("cpu", "kernelgate_cpu")
+
+
+def test_cpp_and_python_share_one_op():
+    x = torch.randn(3, 9)
+    assert torch.equal(kg.rms_norm(x), torch.ops.kernelgate.rms_norm(x))
+
+
+# ---- GPU (run on the GPU machine: pytest -m gpu) --------------------------------------------------
+
+GPU_SHAPES = [((1,), 1), ((1,), 7), ((3,), 33), ((5,), 1000), ((2, 5), 4097), ((2, 3, 4), 64),
+              ((64,), 2048), ((33,), 4096), ((16,), 8192), ((3,), 12288), ((2,), 65536 + 8), ((4,), 1 << 17)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", CUDA_BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows_shape,hidden", GPU_SHAPES)
+def test_gpu_shapes(backend, dtype, rows_shape, hidden):
+    check_backend(backend, "cuda", dtype, rows_shape, hidden)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", CUDA_BACKENDS)
+@pytest.mark.parametrize("layout", ["transposed", "row_strided", "offset", "expanded"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("hidden", [130, 4096])
+def test_gpu_noncontiguous(backend, layout, dtype, hidden):
+    check_backend(backend, "cuda", dtype, (6,), hidden, layout=layout)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("regime,dtype,hidden", list(itertools.product(["large", "small", "offset"], DTYPES, [257, 4096])))
+def test_gpu_value_regimes(regime, dtype, hidden):
+    check_backend("kernelgate_cuda", "cuda", dtype, (9,), hidden, regime=regime)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("with_weight", [True, False])
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_gpu_many_rows_seeds(with_weight, seed):
+    # Enough rows that the backward's dweight reduction spans many blocks.
+    check_backend("kernelgate_cuda", "cuda", torch.bfloat16, (4099,), 4096, with_weight=with_weight, seed=seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", CUDA_BACKENDS)
+def test_gpu_special_values(backend):
+    _special_check(backend, "cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_empty_and_dispatch():
+    x = torch.randn(0, 64, device="cuda", requires_grad=True)
+    with kg.use(force="kernelgate_cuda"):
+        y = kg.rms_norm(x, None)
+        y.sum().backward()
+    assert y.shape == (0, 64) and x.grad.shape == (0, 64)
+    e = kg.explain("rms_norm", torch.randn(2, 64, device="cuda"))
+    assert "sm_" in e.key
+
+
+@pytest.mark.gpu
+def test_gpu_device_mismatch():
+    with pytest.raises(RuntimeError, match=r"weight must be on the same device as x \(cuda:0\), got cpu"):
+        kg.rms_norm(torch.randn(2, 8, device="cuda"), torch.randn(8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", CUDA_BACKENDS)
+def test_gpu_opcheck(backend):
+    with kg.use(force={"rms_norm": backend}):
+        for args in _opcheck_args("cuda"):
+            torch.library.opcheck(torch.ops.kernelgate.rms_norm.default, args)
+
+
+@pytest.mark.gpu
+def test_gpu_torch_compile_fullgraph():
+    _compile_check("cuda", "kernelgate_cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", CUDA_BACKENDS)
+def test_gpu_cuda_graph_capture_and_replay(backend):
+    x = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16)
+    with kg.use(force={"rms_norm": backend}):
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):  # warm up outside capture
+            for _ in range(2):
+                y = kg.rms_norm(x, w)
+                gx, gw = torch.autograd.grad(y, [x, w], dy)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            y = kg.rms_norm(x, w)
+            gx, gw = torch.autograd.grad(y, [x, w], dy)
+        for _ in range(3):
+            with torch.no_grad():
+                x.copy_(torch.randn_like(x))
+                dy.copy_(torch.randn_like(dy))
+            g.replay()
+            torch.cuda.synchronize()
+            ey = kg.rms_norm(x, w)
+            ex, ew = torch.autograd.grad(ey, [x, w], dy)
+            torch.testing.assert_close(y, ey)
+            torch.testing.assert_close(gx, ex)
+            torch.testing.assert_close(gw, ew)
