@@ -35,7 +35,7 @@ ctest --test-dir build/gpu --output-on-failure >"$OUT/ctest.log" 2>&1 || status=
 tail -3 "$OUT/ctest.log"
 
 step "GPU tests"
-(cd tests/python && "$PY" -m pytest -q -p no:cacheprovider -m gpu --junitxml="$OUT/pytest_gpu.xml" -x . ) \
+(cd tests/python && "$PY" -m pytest -q -p no:cacheprovider -m gpu --junitxml="$OUT/pytest_gpu.xml" . ) \
   >"$OUT/pytest_gpu.log" 2>&1 || status=1
 grep -E "passed|failed|error" "$OUT/pytest_gpu.log" | tail -15
 

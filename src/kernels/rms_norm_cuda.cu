@@ -644,7 +644,9 @@ inline BwdPlan bwd_plan(const RmsNormProblem& p, bool vectorized, int sm_count, 
   const int threads = l.tpr * l.rpb;
   int per_sm = std::max(1, std::min(t.bwd_max_blocks_per_sm, 2048 / threads));
   int occ = 0;
-  if ((plan.smem <= 48 * 1024 ||
+  // The opt-in covers dynamic + static shared memory: set it whenever dynamic memory is used
+  // (48 KiB of dynamic memory plus the kernel's static buffers already needs it).
+  if ((plan.smem == 0 ||
        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(plan.smem)) ==
            cudaSuccess) &&
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kernel, threads, plan.smem) ==
