@@ -313,12 +313,13 @@ class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
   }
 };
 
-Tensor rms_norm_autograd(const Tensor& x, const OptTensor& w, double eps) {
+Tensor rms_norm_autograd(c10::DispatchKeySet ks, const Tensor& x, const OptTensor& w, double eps) {
   const bool needs_grad =
       at::GradMode::is_enabled() && (x.requires_grad() || (w && w->requires_grad()));
   if (!needs_grad) {
+    // Straight to the device router: no autograd node, no second key computation.
     at::AutoDispatchBelowADInplaceOrView guard;
-    return op_handle().call(x, w, eps);
+    return op_handle().redispatch(ks & c10::after_ADInplaceOrView_keyset, x, w, eps);
   }
   return RmsNormFunction::apply(x, w, eps);
 }
