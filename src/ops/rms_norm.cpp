@@ -93,55 +93,73 @@ Support aten_can_implement(const CallView& call) {
   return Support::yes();
 }
 
-// ---- kernelgate_cpu: our CPU kernel, rows split over ATen's thread pool.
-
-kernels::RmsNormProblem problem(const Tensor& x, const RowView& xv, double eps) {
-  kernels::RmsNormProblem p;
-  p.rows = xv.rows;
-  p.hidden = x.size(-1);
-  p.x_row_stride = xv.row_stride;
-  p.eps = static_cast<float>(eps);
-  p.dtype = kernel_dtype(x.scalar_type());
-  return p;
-}
+// ---- Launch preparation shared by our CPU and CUDA backends: 2-D row views, contiguous
+// weight and rstd, dense outputs and the kernel problem.
 
 int64_t grain_rows(int64_t hidden) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(hidden, 1)); }
 
+const void* data_or_null(const Tensor& t) { return t.defined() ? t.const_data_ptr() : nullptr; }
+
+struct FwdLaunch {
+  RowView xv;
+  Tensor wc, y, rstd;
+  kernels::RmsNormProblem p;
+};
+
+FwdLaunch prepare_fwd(const Tensor& x, const OptTensor& w, double eps, bool want_rstd) {
+  FwdLaunch l{row_view(x), w ? w->contiguous() : Tensor(),
+              at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous)),
+              want_rstd ? rstd_shape_like(x) : Tensor(), {}};
+  l.p.rows = l.xv.rows;
+  l.p.hidden = x.size(-1);
+  l.p.x_row_stride = l.xv.row_stride;
+  l.p.eps = static_cast<float>(eps);
+  l.p.dtype = kernel_dtype(x.scalar_type());
+  return l;
+}
+
+struct BwdLaunch {
+  FwdLaunch f;  // x view, weight, problem; f.y is dx
+  RowView dyv;
+  Tensor rc;
+  bool want_dw;
+};
+
+BwdLaunch prepare_bwd(const Tensor& dy, const Tensor& x, const OptTensor& w, const Tensor& rstd,
+                      bool weight_grad) {
+  BwdLaunch l{prepare_fwd(x, w, 0.0, false), row_view(dy), rstd.contiguous(),
+              weight_grad && w.has_value()};
+  l.f.p.dy_row_stride = l.dyv.row_stride;
+  return l;
+}
+
+// ---- kernelgate_cpu: our CPU kernel, rows split over ATen's thread pool.
+
 std::tuple<Tensor, Tensor> cpu_fwd(const Tensor& x, const OptTensor& w, double eps,
                                    bool want_rstd) {
-  RowView xv = row_view(x);
-  Tensor wc = w ? w->contiguous() : Tensor();
-  Tensor y = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
-  Tensor rstd = want_rstd ? rstd_shape_like(x) : Tensor();
-  auto p = problem(x, xv, eps);
-  at::parallel_for(0, p.rows, grain_rows(p.hidden), [&](int64_t b, int64_t e) {
-    kernels::rms_norm_fwd_cpu(y.data_ptr(), want_rstd ? rstd.data_ptr<float>() : nullptr,
-                              xv.data.const_data_ptr(), wc.defined() ? wc.const_data_ptr() : nullptr,
-                              p, b, e);
+  FwdLaunch l = prepare_fwd(x, w, eps, want_rstd);
+  at::parallel_for(0, l.p.rows, grain_rows(l.p.hidden), [&](int64_t b, int64_t e) {
+    kernels::rms_norm_fwd_cpu(l.y.data_ptr(), want_rstd ? l.rstd.data_ptr<float>() : nullptr,
+                              l.xv.data.const_data_ptr(), data_or_null(l.wc), l.p, b, e);
   });
-  return {y, rstd};
+  return {l.y, l.rstd};
 }
 
 std::tuple<Tensor, Tensor> cpu_bwd(const Tensor& dy, const Tensor& x, const OptTensor& w,
                                    const Tensor& rstd, bool weight_grad) {
-  RowView xv = row_view(x), dyv = row_view(dy);
-  Tensor wc = w ? w->contiguous() : Tensor();
-  Tensor rc = rstd.contiguous();
-  Tensor dx = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
-  auto p = problem(x, xv, 0.0);
-  p.dy_row_stride = dyv.row_stride;
-  const bool want_dw = weight_grad && w.has_value();
+  BwdLaunch l = prepare_bwd(dy, x, w, rstd, weight_grad);
+  const auto& p = l.f.p;
   // One float32 partial row per pool thread; summed and cast once at the end.
-  Tensor partial = want_dw ? at::zeros({at::get_num_threads(), p.hidden}, x.options().dtype(at::kFloat))
-                           : Tensor();
+  Tensor partial = l.want_dw ? at::zeros({at::get_num_threads(), p.hidden}, x.options().dtype(at::kFloat))
+                             : Tensor();
   at::parallel_for(0, p.rows, grain_rows(p.hidden), [&](int64_t b, int64_t e) {
-    float* part = want_dw ? partial[at::get_thread_num()].data_ptr<float>() : nullptr;
-    kernels::rms_norm_bwd_cpu(dx.data_ptr(), part, dyv.data.const_data_ptr(),
-                              xv.data.const_data_ptr(), wc.defined() ? wc.const_data_ptr() : nullptr,
-                              rc.const_data_ptr<float>(), p, b, e);
+    float* part = l.want_dw ? partial[at::get_thread_num()].data_ptr<float>() : nullptr;
+    kernels::rms_norm_bwd_cpu(l.f.y.data_ptr(), part, l.dyv.data.const_data_ptr(),
+                              l.f.xv.data.const_data_ptr(), data_or_null(l.f.wc),
+                              l.rc.const_data_ptr<float>(), p, b, e);
   });
-  Tensor dw = want_dw ? partial.sum(0).to(w->scalar_type()) : no_dweight(x);
-  return {dx, dw};
+  Tensor dw = l.want_dw ? partial.sum(0).to(w->scalar_type()) : no_dweight(x);
+  return {l.f.y, dw};
 }
 
 Support cpu_can_implement(const CallView& call) {
@@ -155,39 +173,29 @@ Support cpu_can_implement(const CallView& call) {
 std::tuple<Tensor, Tensor> cuda_fwd(const Tensor& x, const OptTensor& w, double eps,
                                     bool want_rstd) {
   CudaContext ctx(x);
-  RowView xv = row_view(x);
-  Tensor wc = w ? w->contiguous() : Tensor();
-  Tensor y = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
-  Tensor rstd = want_rstd ? rstd_shape_like(x) : Tensor();
-  auto p = problem(x, xv, eps);
-  check_cuda(kernels::rms_norm_fwd_cuda(y.data_ptr(), want_rstd ? rstd.data_ptr<float>() : nullptr,
-                                        xv.data.const_data_ptr(),
-                                        wc.defined() ? wc.const_data_ptr() : nullptr, p, ctx.stream),
+  FwdLaunch l = prepare_fwd(x, w, eps, want_rstd);
+  check_cuda(kernels::rms_norm_fwd_cuda(l.y.data_ptr(), want_rstd ? l.rstd.data_ptr<float>() : nullptr,
+                                        l.xv.data.const_data_ptr(), data_or_null(l.wc), l.p,
+                                        ctx.stream),
              "rms_norm forward");
-  return {y, rstd};
+  return {l.y, l.rstd};
 }
 
 std::tuple<Tensor, Tensor> cuda_bwd(const Tensor& dy, const Tensor& x, const OptTensor& w,
                                     const Tensor& rstd, bool weight_grad) {
   CudaContext ctx(x);
-  RowView xv = row_view(x), dyv = row_view(dy);
-  Tensor wc = w ? w->contiguous() : Tensor();
-  Tensor rc = rstd.contiguous();
-  Tensor dx = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
-  auto p = problem(x, xv, 0.0);
-  p.dy_row_stride = dyv.row_stride;
-  const bool want_dw = weight_grad && w.has_value();
-  Tensor dw = want_dw ? at::empty_like(wc) : no_dweight(x);
+  BwdLaunch l = prepare_bwd(dy, x, w, rstd, weight_grad);
+  Tensor dw = l.want_dw ? at::empty_like(l.f.wc) : no_dweight(x);
   // Partial dweight sums, one row per block of the persistent grid (only when dweight is wanted).
-  const int64_t ws_floats = want_dw ? kernels::rms_norm_bwd_cuda_workspace_floats(p, ctx.sm_count) : 0;
+  const int64_t ws_floats =
+      l.want_dw ? kernels::rms_norm_bwd_cuda_workspace_floats(l.f.p, ctx.sm_count) : 0;
   Tensor ws = at::empty({std::max<int64_t>(1, ws_floats)}, x.options().dtype(at::kFloat));
-  check_cuda(kernels::rms_norm_bwd_cuda(dx.data_ptr(), want_dw ? dw.data_ptr() : nullptr,
-                                        dyv.data.const_data_ptr(), xv.data.const_data_ptr(),
-                                        wc.defined() ? wc.const_data_ptr() : nullptr,
-                                        rc.const_data_ptr<float>(), ws.data_ptr<float>(),
-                                        ctx.sm_count, p, ctx.stream),
+  check_cuda(kernels::rms_norm_bwd_cuda(l.f.y.data_ptr(), l.want_dw ? dw.data_ptr() : nullptr,
+                                        l.dyv.data.const_data_ptr(), l.f.xv.data.const_data_ptr(),
+                                        data_or_null(l.f.wc), l.rc.const_data_ptr<float>(),
+                                        ws.data_ptr<float>(), ctx.sm_count, l.f.p, ctx.stream),
              "rms_norm backward");
-  return {dx, dw};
+  return {l.f.y, dw};
 }
 
 Support cuda_can_implement(const CallView& call) {
