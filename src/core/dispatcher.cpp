@@ -111,7 +111,11 @@ struct CacheSlot {
 thread_local std::array<CacheSlot, 64> t_cache;
 }  // namespace
 
+// Op entries are read without the lock on the hot path: their vector never reallocates.
+constexpr size_t kMaxOps = 1024;
+
 Dispatcher::Dispatcher() : impl_(std::make_unique<Impl>()) {
+  impl_->ops.reserve(kMaxOps);
   impl_->memory = std::make_shared<InMemoryPolicy>();
   impl_->policy = impl_->memory;
 }
@@ -132,6 +136,7 @@ OpId Dispatcher::add_op(OpContract contract, BackendDesc reference) {
   TORCH_INTERNAL_ASSERT(reference.kind == BackendKind::kReference);
   parse_dims(contract);
   std::lock_guard<std::mutex> lock(impl_->mu);
+  TORCH_CHECK(impl_->ops.size() < kMaxOps, "too many ops registered (", kMaxOps, ")");
   for (const auto& e : impl_->ops) {
     TORCH_CHECK(e->contract.name != contract.name, "op ", contract.name, " is already registered");
   }
@@ -164,8 +169,8 @@ int Dispatcher::add_backend(OpId op, BackendDesc backend) {
 }
 
 const OpEntry& Dispatcher::op(OpId id) const {
-  // Entries are never removed and their storage never moves (unique_ptr), so no lock is needed
-  // once an id has been handed out.
+  // Entries are never removed, their storage never moves (unique_ptr) and the vector never
+  // reallocates (reserved), so no lock is needed once an id has been handed out.
   return *impl_->ops[id];
 }
 
