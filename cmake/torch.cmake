@@ -4,7 +4,7 @@
 find_package(Python3 REQUIRED COMPONENTS Interpreter Development.Module)
 execute_process(
   COMMAND "${Python3_EXECUTABLE}" -c
-    "import os, torch; print(os.path.dirname(torch.__file__)); print(int(torch.compiled_with_cxx11_abi())); print(torch.__version__); print(int(torch.version.cuda is not None))"
+    "import os, torch; print(os.path.dirname(torch.__file__)); print(int(torch.compiled_with_cxx11_abi())); print(torch.__version__); print(int(torch.version.cuda is not None)); print(torch.version.cuda or 'none')"
   OUTPUT_VARIABLE _kg_torch_info OUTPUT_STRIP_TRAILING_WHITESPACE RESULT_VARIABLE _kg_rc)
 if(NOT _kg_rc EQUAL 0)
   message(FATAL_ERROR "kernelgate needs the `torch` Python package in ${Python3_EXECUTABLE}; "
@@ -15,6 +15,7 @@ list(GET _kg_torch_info 0 KG_TORCH_DIR)
 list(GET _kg_torch_info 1 KG_TORCH_CXX11_ABI)
 list(GET _kg_torch_info 2 KG_TORCH_VERSION)
 list(GET _kg_torch_info 3 KG_TORCH_HAS_CUDA)
+list(GET _kg_torch_info 4 KG_TORCH_CUDA)
 message(STATUS "kernelgate: torch ${KG_TORCH_VERSION} at ${KG_TORCH_DIR}")
 set(KG_TORCH_LIB_DIR "${KG_TORCH_DIR}/lib")
 

@@ -5,17 +5,24 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 
-# GoogleTest for the C++ tests (Debian/Ubuntu package; needs root, as on CI).
-if ! [ -f /usr/include/gtest/gtest.h ] && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
-  apt-get update -qq && apt-get install -y -qq libgtest-dev >/dev/null
+# SQLite (the evidence store) and GoogleTest (the C++ tests): Debian/Ubuntu packages; installed
+# here when missing and we are root, as on CI.
+if ! { [ -f /usr/include/gtest/gtest.h ] && [ -f /usr/include/sqlite3.h ]; } &&
+   command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+  apt-get update -qq && apt-get install -y -qq libgtest-dev libsqlite3-dev >/dev/null
 fi
-[ -f /usr/include/gtest/gtest.h ] || { echo "GoogleTest is missing: apt-get install libgtest-dev"; exit 1; }
+for h in gtest/gtest.h sqlite3.h; do
+  [ -f "/usr/include/$h" ] || { echo "missing /usr/include/$h: apt-get install libgtest-dev libsqlite3-dev"; exit 1; }
+done
 
 "$PY" -m pip install -q -r requirements-dev.txt
 
 # One CMake build serves both the installed package and the C++ tests.
 "$PY" -m pip install -q --no-build-isolation --no-deps \
   -C build-dir=build/release -C cmake.define.KERNELGATE_BUILD_TESTS=ON .
+
+# The test-only faulty backends that the harness tests load into workers.
+export KERNELGATE_TEST_PLUGIN="$PWD/build/release/tests/cpp/libkgtest_faulty.so"
 
 if "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
   ctest --test-dir build/release --output-on-failure --no-tests=error

@@ -6,6 +6,7 @@
 #include <array>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -68,6 +69,10 @@ struct OpContract {
   std::vector<c10::ScalarType> dtypes;
   // Values the harness tries for each scalar argument, e.g. {"eps", {1e-6, 1e-5, 0.1}}.
   std::vector<std::pair<std::string, std::vector<double>>> scalar_test_values;
+  // Harness: sizes each named dim may take ([lo, hi]) and LLM production shapes, most
+  // representative first.
+  std::map<std::string, std::pair<int64_t, int64_t>> dim_ranges;
+  std::vector<std::map<std::string, int64_t>> production_shapes;
 
   // Filled by parse_dims() (Registry::add_op calls it).
   std::vector<TensorArgSpec> tensor_args;
@@ -219,8 +224,8 @@ class Dispatcher {
   DispatchKey make_key(OpId op, const CallView& call, const BoundDims& dims) const;
   Explanation explain(OpId op, const CallView& call, const BoundDims& dims);
 
-  // Policy snapshot: the in-memory source by default; rules added here go to it. Every change
-  // drops the cached decisions.
+  // Policy: in-memory rules (added here) are asked first, then the evidence source set with
+  // set_policy (none by default; null removes it). Every change drops the cached decisions.
   void set_policy(std::shared_ptr<PolicySource> policy);
   void add_policy_rule(PolicyRule rule);
   void clear_policy();

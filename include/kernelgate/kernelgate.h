@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <optional>
+#include <tuple>
 
 #include "kernelgate/dispatch.h"
 
@@ -18,6 +19,18 @@ namespace kernelgate {
 // weight; returns x's dtype.
 at::Tensor rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& weight = std::nullopt,
                     double eps = 1e-6);
+
+// A typed rms_norm backend. Forward returns (y, rstd): rstd float32 of x.shape[:-1], and may be
+// undefined when want_rstd is false. Backward returns (dx, dweight): dweight an empty tensor
+// when weight_grad is false or there is no weight.
+using RmsNormFwd = std::tuple<at::Tensor, at::Tensor> (*)(const at::Tensor& x,
+                                                         const std::optional<at::Tensor>& weight,
+                                                         double eps, bool want_rstd);
+using RmsNormBwd = std::tuple<at::Tensor, at::Tensor> (*)(const at::Tensor& grad,
+                                                         const at::Tensor& x,
+                                                         const std::optional<at::Tensor>& weight,
+                                                         const at::Tensor& rstd, bool weight_grad);
+void add_rms_norm_backend(Dispatcher& d, BackendDesc desc, RmsNormFwd fwd, RmsNormBwd bwd);
 
 // Per-op registration, called from src/ops/all_ops.cpp.
 OpContract rms_norm_contract();

@@ -13,9 +13,10 @@ from . import _C  # noqa: F401  (registers torch.ops.kernelgate)
 from ._api import Explanation, explain, ops, use
 from ._logging import install_log_hook
 from ._ops import rms_norm
-from . import policy
+from . import evidence, policy
 
 __version__ = "0.1.0"
-__all__ = ["rms_norm", "explain", "ops", "use", "policy", "Explanation", "__version__"]
+__all__ = ["rms_norm", "explain", "ops", "use", "policy", "evidence", "Explanation", "__version__"]
 
 install_log_hook()
+evidence.install()

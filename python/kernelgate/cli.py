@@ -1,7 +1,12 @@
-"""The `kernelgate` command: ops, explain, demo."""
+"""The `kernelgate` command: ops, validate, bench run, policy show, explain, db, doctor, demo.
+
+Every command takes --json. The work is done in C++ (kernelgate._C); this is the shell around it.
+"""
 
 import argparse
 import json
+import os
+import shlex
 import sys
 from typing import Dict, List, Optional
 
@@ -95,6 +100,159 @@ def cmd_explain(args) -> int:
     return 0
 
 
+# ---- evidence: validate, bench run, policy show, db, doctor -------------------------------------
+
+def _db(args) -> str:
+    return args.db or kg.evidence.db_path()
+
+
+def _progress(enabled: bool):
+    if not enabled:
+        return None
+    tty = sys.stderr.isatty()
+    state = {"last": -1}
+
+    def report(done: int, total: int, what: str) -> None:
+        width = 30
+        filled = width * done // max(total, 1)
+        pct = 100 * done // max(total, 1)
+        if tty:
+            sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {what[:40]:<40}")
+            if done == total:
+                sys.stderr.write("\n")
+        elif pct // 10 != state["last"]:
+            state["last"] = pct // 10
+            sys.stderr.write(f"{done}/{total} ({pct}%)\n")
+        sys.stderr.flush()
+
+    return report
+
+
+def _ops_for(name: str) -> List[str]:
+    names = [o["name"] for o in kg.ops()]
+    if name == "all":
+        return names
+    if name not in names:
+        raise SystemExit(f"unknown op '{name}'; kernelgate has: {', '.join(names)}")
+    return [name]
+
+
+def _run_sweep(args, time: bool) -> int:
+    grid = "quick" if getattr(args, "quick", False) else getattr(args, "grid", "quick")
+    shard = getattr(args, "shard", "0/1")
+    try:
+        i, n = (int(p) for p in shard.split("/"))
+    except ValueError:
+        raise SystemExit(f"--shard must be i/N, e.g. 0/4, got '{shard}'")
+    worker = kg.evidence.worker_argv(args.load)
+    for plugin in args.load:
+        try:
+            _C.load_plugin(os.path.abspath(plugin))
+        except RuntimeError as exc:
+            raise SystemExit(f"kernelgate: {exc}")
+    reports = {}
+    for op in _ops_for(args.op):
+        try:
+            reports[op] = _C.sweep(op, args.backend, args.dtype, grid, args.seeds, i, n, _db(args), time,
+                                   args.case_timeout, args.time_cap, worker,
+                                   "kernelgate " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+                                   _progress(not args.json))
+        except (RuntimeError, ValueError) as exc:
+            raise SystemExit(f"kernelgate: {exc}")
+    if args.json:
+        print(json.dumps(reports, indent=2))
+        return 0
+    for op, r in reports.items():
+        disp = ", ".join(f"{k} {v}" for k, v in sorted(r["dispositions"].items())) or "nothing new"
+        print(f"{op}: {r['planned']} runs ({r['skipped']} already stored), {disp}; "
+              f"{r['seconds']:.1f} s, {r['worker_restarts']} worker restarts")
+    print(f"evidence in {_db(args)} (fingerprint {next(iter(reports.values()))['fingerprint_id'][:12]})")
+    return 0
+
+
+def cmd_validate(args) -> int:
+    return _run_sweep(args, time=False)
+
+
+def cmd_bench_run(args) -> int:
+    return _run_sweep(args, time=True)
+
+
+def cmd_policy_show(args) -> int:
+    out = {}
+    for op in _ops_for(args.op):
+        out[op] = _C.policy_regions(op, _db(args), kg.evidence.shipped_paths())
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    for op, p in out.items():
+        for note in p["notes"]:
+            print(f"# {note}")
+        rows = []
+        for r in p["regions"]:
+            ranked = r["ranked"]
+            failures = []
+            for s in r["standings"]:
+                if s["failures"]:
+                    f = ", ".join(f"{k} {v}" for k, v in s["failures"].items())
+                    failures.append(f"{s['backend']}: {f}")
+            margin = f"{r['margin'] * 100:+.1f}% ({r['comparison']})" if len(ranked) > 1 else ""
+            rows.append([r["region"], ranked[0] if ranked else "reference (no passing backend)",
+                         ranked[1] if len(ranked) > 1 else "", margin, "; ".join(failures) or "none"])
+        if rows:
+            print(_table(rows, ["region", "winner", "runner-up", "margin", "failures"]))
+        else:
+            print(f"{op}: no evidence for this fingerprint: every call runs the reference")
+    return 0
+
+
+def cmd_db(args) -> int:
+    db = _db(args)
+    try:
+        if args.action == "path":
+            result = {"path": db}
+        elif args.action == "merge":
+            result = _C.db_merge(db, args.file)
+        elif args.action == "export":
+            _C.db_export(db, args.file)
+            result = {"exported": args.file}
+        else:
+            result = _C.db_import(db, args.file)
+    except RuntimeError as exc:
+        raise SystemExit(f"kernelgate db {args.action}: {exc}")
+    if args.json:
+        print(json.dumps(result, indent=2))
+    elif args.action == "path":
+        print(db)
+    else:
+        print(", ".join(f"{k}: {v}" for k, v in result.items()))
+    return 0
+
+
+def cmd_doctor(args) -> int:
+    st = _C.store_status(_db(args))
+    st["policy"] = _C.describe_policy()
+    st["cuda_available"] = torch.cuda.is_available()
+    st["backends"] = {o["name"]: {b["name"]: (b["available"], b["reason"]) for b in o["backends"]} for o in kg.ops()}
+    if args.json:
+        print(json.dumps(st, indent=2))
+        return 0
+    fp = st["fingerprint"]
+    print(f"device: {fp['gpu_name']} (compute capability {fp['compute_capability']}, {fp['sm_count']} SMs), "
+          f"driver {fp['driver']}, CUDA {fp['cuda_runtime']}, torch {fp['torch_version']}")
+    print(f"kernelgate {fp['kernelgate_version']} (source {fp['source_hash']}), fingerprint {fp['id'][:12]}")
+    print(f"store: {st['path']}")
+    if not st["usable"]:
+        print(f"  not usable: {st['problem']}")
+    else:
+        print(f"  schema {st['schema_version']}, {st['current_results']} results for this fingerprint")
+        for s in st["stale"]:
+            print(f"  stale: {s['results']} results from {s['gpu_name']} ({s['id'][:12]}): "
+                  + "; ".join(s["why_stale"]))
+    print(f"policy: {st['policy']}")
+    return 0
+
+
 def cmd_demo(args) -> int:
     """rms_norm forward and backward through kernelgate, and which backend served it and why."""
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -144,12 +302,47 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def _add_sweep_args(p, timing: bool) -> None:
+    p.add_argument("op", help="an op name, or 'all'")
+    p.add_argument("--backend", action="append", default=[], help="repeat for several; default all")
+    p.add_argument("--dtype", action="append", default=[], choices=sorted(DTYPES))
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--case-timeout", type=float, default=120.0, help="seconds before a case counts as hung")
+    p.add_argument("--time-cap", type=float, default=1.0 if timing else 0.0, help="seconds of timing per run")
+    p.add_argument("--load", action="append", default=[], help="a plugin library registering extra backends")
+    p.add_argument("--db", default=None, help="store file (default: KERNELGATE_DB or the cache directory)")
+    p.add_argument("--shard", default="0/1", help="i/N: run every N-th case starting at i")
+    p.add_argument("--json", action="store_true")
+
+
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="kernelgate", description=__doc__)
+    parser = argparse.ArgumentParser(prog="kernelgate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("ops", help="ops, backends and their availability")
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_ops)
+
+    p = sub.add_parser("validate", help="check backends against the float64 oracle (no timing)")
+    _add_sweep_args(p, timing=False)
+    p.add_argument("--quick", action="store_true", help="the quick grid (default: smoke)")
+    p.set_defaults(fn=cmd_validate, grid="smoke")
+
+    p = sub.add_parser("bench", help="measure backends: validate, then time what passed")
+    bench = p.add_subparsers(dest="bench_command", required=True)
+    p = bench.add_parser("run", help="sweep an op's cases over its backends into the store")
+    _add_sweep_args(p, timing=True)
+    p.add_argument("--grid", choices=["smoke", "quick", "full"], default="quick")
+    p.set_defaults(fn=cmd_bench_run)
+
+    p = sub.add_parser("policy", help="the policy the evidence gives")
+    pol = p.add_subparsers(dest="policy_command", required=True)
+    p = pol.add_parser("show", help="per region: winner, runner-up, margin, failures")
+    p.add_argument("op", help="an op name, or 'all'")
+    p.add_argument("--db", default=None)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_policy_show)
+
     p = sub.add_parser("explain", help="which backend serves a call of OP, and why")
     p.add_argument("op")
     p.add_argument("--shape", action="append", default=[], help="NAME=D0xD1..., e.g. x=16384x4096")
@@ -158,11 +351,26 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--grad", action="store_true", help="the call is part of a training step")
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_explain)
+
+    p = sub.add_parser("db", help="the evidence store: path, merge, export, import")
+    p.add_argument("action", choices=["path", "merge", "export", "import"])
+    p.add_argument("file", nargs="?", help="the other store (merge) or the JSON file (export, import)")
+    p.add_argument("--db", default=None)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_db)
+
+    p = sub.add_parser("doctor", help="GPU, fingerprint, evidence status, why rows are stale")
+    p.add_argument("--db", default=None)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_doctor)
+
     p = sub.add_parser("demo", help="rms_norm forward+backward: which backend served it and why")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None)
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_demo)
     args = parser.parse_args(argv)
+    if args.command == "db" and args.action != "path" and not args.file:
+        parser.error(f"db {args.action} needs a FILE")
     return args.fn(args)
 
 

@@ -79,7 +79,7 @@ void set_cuda_arch_provider(int (*provider)(int)) { g_arch_provider.store(provid
 struct Dispatcher::Impl {
   mutable std::mutex mu;  // registry, overrides, policy, decision map
   std::vector<std::unique_ptr<OpEntry>> ops;
-  std::shared_ptr<PolicySource> policy;
+  std::shared_ptr<PolicySource> policy;  // evidence; may be null
   std::shared_ptr<InMemoryPolicy> memory;
   Overrides overrides;
   std::unordered_map<DispatchKey, Decision*, KeyHash> decisions;
@@ -117,7 +117,6 @@ constexpr size_t kMaxOps = 1024;
 Dispatcher::Dispatcher() : impl_(std::make_unique<Impl>()) {
   impl_->ops.reserve(kMaxOps);
   impl_->memory = std::make_shared<InMemoryPolicy>();
-  impl_->policy = impl_->memory;
 }
 
 Dispatcher::~Dispatcher() = default;
@@ -266,8 +265,10 @@ Decision* Dispatcher::Impl::decide(const OpEntry& e, const DispatchKey& key,
       push(i);
     }
   }
+  // In-memory rules (set by the user or tests) first, then the evidence source.
   std::string evidence;
-  std::vector<std::string> ranked = im.policy->ranked(op, key, &evidence);
+  std::vector<std::string> ranked = im.memory->ranked(op, key, &evidence);
+  if (ranked.empty() && im.policy) ranked = im.policy->ranked(op, key, &evidence);
   for (const std::string& name : ranked) {
     int i = local_index(e, name);
     if (i < 0 || !e.availability[i].ok || is_excluded(im.overrides.excluded, op, name)) continue;
@@ -393,7 +394,6 @@ Explanation Dispatcher::explain(OpId op, const CallView& call, const BoundDims& 
 }
 
 void Dispatcher::set_policy(std::shared_ptr<PolicySource> policy) {
-  TORCH_CHECK(policy != nullptr, "set_policy: policy must not be null");
   std::lock_guard<std::mutex> lock(impl_->mu);
   impl_->policy = std::move(policy);
   impl_->bump();
@@ -402,20 +402,24 @@ void Dispatcher::set_policy(std::shared_ptr<PolicySource> policy) {
 void Dispatcher::add_policy_rule(PolicyRule rule) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   impl_->memory->add(std::move(rule));
-  impl_->policy = impl_->memory;
   impl_->bump();
 }
 
 void Dispatcher::clear_policy() {
   std::lock_guard<std::mutex> lock(impl_->mu);
   impl_->memory->clear();
-  impl_->policy = impl_->memory;
   impl_->bump();
 }
 
 std::string Dispatcher::describe_policy() const {
-  std::lock_guard<std::mutex> lock(impl_->mu);
-  return impl_->policy->describe();
+  std::shared_ptr<PolicySource> evidence;
+  std::string text;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    evidence = impl_->policy;
+    text = impl_->memory->describe();
+  }
+  return text + "; " + (evidence ? evidence->describe() : std::string("no evidence source"));
 }
 
 void Dispatcher::force(const std::string& op, const std::string& backend) {

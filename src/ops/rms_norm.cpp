@@ -6,6 +6,7 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <mutex>
 
 #include "kernelgate/dispatch.h"
 #include "kernelgate/kernelgate.h"
@@ -17,13 +18,9 @@ namespace {
 
 using at::Tensor;
 using OptTensor = std::optional<Tensor>;
-using FwdFn = std::tuple<Tensor, Tensor> (*)(const Tensor& x, const OptTensor& w, double eps,
-                                             bool want_rstd);
-using BwdFn = std::tuple<Tensor, Tensor> (*)(const Tensor& dy, const Tensor& x, const OptTensor& w,
-                                             const Tensor& rstd, bool weight_grad);
 struct Impl {
-  FwdFn fwd = nullptr;
-  BwdFn bwd = nullptr;
+  RmsNormFwd fwd = nullptr;
+  RmsNormBwd bwd = nullptr;
 };
 
 OpId g_op = kNoOp;
@@ -341,6 +338,10 @@ OpContract rms_norm_contract() {
   c.dims = "x: [*rows, hidden]; weight?: [hidden]";
   c.dtypes = {at::kFloat, at::kHalf, at::kBFloat16};
   c.scalar_test_values = {{"eps", {1e-6, 1e-5, 0.1}}};
+  c.dim_ranges = {{"rows", {0, 65536}}, {"hidden", {1, 65536}}};
+  for (int64_t rows : {16384, 4096, 65536}) {
+    for (int64_t hidden : {4096, 2048, 8192}) c.production_shapes.push_back({{"rows", rows}, {"hidden", hidden}});
+  }
   return c;
 }
 
@@ -352,11 +353,23 @@ void define_rms_norm(torch::Library& m) {
         " -> (Tensor, Tensor)");
 }
 
+void add_rms_norm_backend(Dispatcher& d, BackendDesc desc, RmsNormFwd fwd, RmsNormBwd bwd) {
+  TORCH_CHECK(fwd != nullptr && bwd != nullptr, "rms_norm backend ", desc.name,
+              " needs a forward and a backward");
+  // The typed entry is in place before the backend is published to the router.
+  static std::mutex mu;
+  std::lock_guard<std::mutex> lock(mu);
+  const size_t index = d.op(g_op).backends.size();
+  TORCH_CHECK(index < g_impls.size(), "rms_norm has too many backends");
+  g_impls[index] = {fwd, bwd};
+  TORCH_INTERNAL_ASSERT(d.add_backend(g_op, std::move(desc)) == static_cast<int>(index));
+}
+
 void register_rms_norm(Dispatcher& d) {
   BackendDesc ref{"reference", BackendKind::kReference, nullptr, nullptr};
   g_op = d.add_op(rms_norm_contract(), std::move(ref));
   g_impls[0] = {reference_fwd, reference_bwd};
-  auto add = [&](BackendDesc desc, Impl impl) { g_impls[d.add_backend(g_op, std::move(desc))] = impl; };
+  auto add = [&](BackendDesc desc, Impl impl) { add_rms_norm_backend(d, std::move(desc), impl.fwd, impl.bwd); };
   add({"aten", BackendKind::kVendor, nullptr, aten_can_implement}, {aten_fwd, aten_bwd});
   add({"kernelgate_cpu", BackendKind::kKernelgate, nullptr, cpu_can_implement}, {cpu_fwd, cpu_bwd});
 #ifdef KERNELGATE_WITH_CUDA

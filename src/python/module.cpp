@@ -4,7 +4,9 @@
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include "harness/sweep.h"
 #include "kernelgate/kernelgate.h"
+#include "store/store.h"
 
 namespace py = pybind11;
 
@@ -123,6 +125,175 @@ void set_log_hook(py::object fn) {
   });
 }
 
+py::dict fingerprint_dict(const store::Fingerprint& f) {
+  py::dict d;
+  d["id"] = f.id();
+  d["gpu_name"] = f.gpu_name;
+  d["compute_capability"] = f.compute_capability;
+  d["sm_count"] = f.sm_count;
+  d["memory_bytes"] = f.memory_bytes;
+  d["driver"] = f.driver;
+  d["cuda_runtime"] = f.cuda_runtime;
+  d["torch_version"] = f.torch_version;
+  d["kernelgate_version"] = f.kernelgate_version;
+  d["source_hash"] = f.source_hash;
+  d["backend_versions"] = f.backend_versions;
+  return d;
+}
+
+py::dict run_sweep(const std::string& op, const std::vector<std::string>& backends,
+                   const std::vector<std::string>& dtypes, const std::string& grid, int seeds,
+                   int shard_index, int shard_count, const std::string& db, bool time,
+                   double case_timeout_s, double time_cap_s,
+                   const std::vector<std::string>& worker_argv, const std::string& command,
+                   py::object progress) {
+  harness::SweepOptions o;
+  o.op = op;
+  o.backends = backends;
+  o.dtypes = dtypes;
+  if (grid != "smoke" && grid != "quick" && grid != "full") {
+    throw py::value_error("grid must be 'smoke', 'quick' or 'full', got '" + grid + "'");
+  }
+  o.grid = grid == "full" ? harness::Grid::kFull
+                          : grid == "smoke" ? harness::Grid::kSmoke : harness::Grid::kQuick;
+  o.seeds = seeds;
+  o.shard_index = shard_index;
+  o.shard_count = shard_count;
+  o.db_path = db;
+  o.time = time;
+  o.case_timeout_s = case_timeout_s;
+  o.time_cap_s = time_cap_s;
+  o.worker_argv = worker_argv;
+  o.command = command;
+  if (!progress.is_none()) {
+    o.progress = [progress](int done, int total, const std::string& what) {
+      py::gil_scoped_acquire gil;
+      progress(done, total, what);
+    };
+  }
+  harness::SweepReport r;
+  {
+    py::gil_scoped_release release;
+    r = harness::sweep(o);
+  }
+  py::dict d;
+  d["fingerprint_id"] = r.fingerprint_id;
+  d["planned"] = r.planned;
+  d["skipped"] = r.skipped;
+  d["dispositions"] = r.dispositions;
+  d["worker_restarts"] = r.worker_restarts;
+  d["seconds"] = r.seconds;
+  return d;
+}
+
+std::vector<store::Result> evidence_rows(const std::string& db, const std::vector<std::string>& shipped,
+                                         const std::string& op, py::list* notes) {
+  const store::Fingerprint fp = harness::current_fingerprint();
+  std::vector<store::Result> rows;
+  auto opened = store::Store::open(db, store::Mode::kReadOnly);
+  if (opened) {
+    rows = opened.store->results(fp.id(), op);
+    notes->append("store " + db + ": " + std::to_string(rows.size()) + " rows for this fingerprint");
+  } else {
+    notes->append("store not used: " + opened.problem);
+  }
+  if (rows.empty()) {
+    for (const auto& path : shipped) {
+      auto s = store::Store::open(path, store::Mode::kReadOnly);
+      if (!s) {
+        notes->append("shipped evidence not used: " + s.problem);
+        continue;
+      }
+      auto report = s.store->stale(fp);
+      std::vector<std::string> ids{report.current_id};
+      for (const auto& st : report.stale) {
+        if (harness::shipped_evidence_applies(st.fingerprint, fp)) ids.push_back(st.id);
+      }
+      for (const auto& id : ids) {
+        auto more = s.store->results(id, op);
+        rows.insert(rows.end(), more.begin(), more.end());
+      }
+      notes->append("shipped evidence " + path + ": " + std::to_string(rows.size()) + " rows apply");
+    }
+  }
+  return rows;
+}
+
+py::dict policy_regions(const std::string& op, const std::string& db,
+                        const std::vector<std::string>& shipped) {
+  py::list notes;
+  auto rows = evidence_rows(db, shipped, op, &notes);
+  py::list regions;
+  for (const auto& r : harness::derive_policy(rows)) {
+    py::list standings;
+    for (const auto& s : r.standings) {
+      py::dict d;
+      d["backend"] = s.backend;
+      d["cases"] = s.cases;
+      d["passed"] = s.passed;
+      d["failures"] = s.failures;
+      d["first_failure"] = s.first_failure;
+      d["score_us"] = s.score_us;
+      d["noise"] = s.noise;
+      standings.append(d);
+    }
+    py::dict d;
+    d["op"] = r.op;
+    d["region"] = r.region;
+    d["ranked"] = r.ranked;
+    d["comparison"] = r.comparison;
+    d["margin"] = r.margin;
+    d["standings"] = standings;
+    regions.append(d);
+  }
+  py::dict out;
+  out["notes"] = notes;
+  out["regions"] = regions;
+  return out;
+}
+
+store::Store& must_open(std::optional<store::OpenResult>& holder, const std::string& path,
+                        store::Mode mode) {
+  holder = store::Store::open(path, mode);
+  if (!*holder) throw std::runtime_error(holder->problem);
+  return *holder->store;
+}
+
+py::dict store_status(const std::string& db) {
+  py::dict d;
+  d["path"] = db;
+  const store::Fingerprint fp = harness::current_fingerprint();
+  d["fingerprint"] = fingerprint_dict(fp);
+  auto opened = store::Store::open(db, store::Mode::kReadOnly);
+  d["usable"] = static_cast<bool>(opened);
+  d["problem"] = opened.problem;
+  if (!opened) return d;
+  auto report = opened.store->stale(fp);
+  d["schema_version"] = opened.store->schema_version();
+  d["current_results"] = report.current_results;
+  py::list stale;
+  for (const auto& s : report.stale) {
+    py::dict e;
+    e["id"] = s.id;
+    e["gpu_name"] = s.fingerprint.gpu_name;
+    e["runs"] = s.runs;
+    e["results"] = s.results;
+    e["why_stale"] = s.differences;
+    stale.append(e);
+  }
+  d["stale"] = stale;
+  return d;
+}
+
+py::dict merge_stats(const store::MergeStats& s) {
+  py::dict d;
+  d["fingerprints_added"] = s.fingerprints_added;
+  d["runs_added"] = s.runs_added;
+  d["results_added"] = s.results_added;
+  d["results_skipped"] = s.results_skipped;
+  return d;
+}
+
 }  // namespace
 }  // namespace kernelgate
 
@@ -165,4 +336,26 @@ PYBIND11_MODULE(_C, m) {
   m.def("clear_policy", [] { Dispatcher::get().clear_policy(); });
   m.def("describe_policy", [] { return Dispatcher::get().describe_policy(); });
   m.def("cuda_arch", &cuda_arch);
+  m.def("fingerprint", [] { return fingerprint_dict(harness::current_fingerprint()); });
+  m.def("default_db_path", &store::Store::default_path);
+  m.def("sweep", &run_sweep);
+  m.def("load_plugin", [](const std::string& path) { harness::load_backend_plugin(path); });
+  m.def("policy_regions", &policy_regions);
+  m.def("store_status", &store_status);
+  m.def("db_merge", [](const std::string& db, const std::string& other) {
+    std::optional<store::OpenResult> h;
+    return merge_stats(must_open(h, db, store::Mode::kReadWrite).merge(other));
+  });
+  m.def("db_export", [](const std::string& db, const std::string& path) {
+    std::optional<store::OpenResult> h;
+    must_open(h, db, store::Mode::kReadOnly).export_json(path);
+  });
+  m.def("db_import", [](const std::string& db, const std::string& path) {
+    std::optional<store::OpenResult> h;
+    return merge_stats(must_open(h, db, store::Mode::kReadWrite).import_json(path));
+  });
+  m.def("use_evidence", [](const std::string& db, const std::vector<std::string>& shipped) {
+    Dispatcher::get().set_policy(std::make_shared<harness::LazyEvidencePolicy>(db, shipped));
+  });
+  py::register_exception<store::StoreError>(m, "StoreError", PyExc_RuntimeError);
 }

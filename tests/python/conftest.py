@@ -1,7 +1,13 @@
+import os
+import tempfile
+
 import pytest
 import torch
 
-import kernelgate as kg
+# Tests never read or write the user's evidence store.
+os.environ["KERNELGATE_DB"] = os.path.join(tempfile.mkdtemp(prefix="kernelgate-tests-"), "evidence.sqlite")
+
+import kernelgate as kg  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):

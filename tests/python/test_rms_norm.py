@@ -180,7 +180,8 @@ def test_default_is_reference_and_policy_routes():
 
 def test_explain_reports_every_backend():
     e = kg.explain("rms_norm", torch.randn(2, 8), weight=None, eps=1e-5)
-    assert {c.backend for c in e.candidates} == {"reference", "aten", "kernelgate_cpu", "kernelgate_cuda"}
+    # (Plugins loaded by other tests may add more.)
+    assert {c.backend for c in e.candidates} >= {"reference", "aten", "kernelgate_cpu", "kernelgate_cuda"}
     assert sum(c.selected for c in e.candidates) == 1
     assert all(c.reason for c in e.candidates)
     assert "rms_norm cpu float32,none rows<=2^1 hidden<=2^3" in e.key

@@ -1,0 +1,34 @@
+"""Where evidence lives: the user's store, the evidence shipped in the package, the worker.
+
+The dispatcher loads the policy from these lazily, on its first decision, in C++; Python only
+says where they are.
+"""
+
+import glob
+import os
+from typing import List
+
+from . import _C
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def db_path() -> str:
+    """KERNELGATE_DB if set, else kernelgate/evidence.sqlite under the user's cache directory."""
+    return _C.default_db_path()
+
+
+def shipped_paths() -> List[str]:
+    """Evidence measured on our own GPUs, shipped inside the package."""
+    return sorted(glob.glob(os.path.join(_HERE, "evidence", "*.sqlite")))
+
+
+def worker_argv(plugins: List[str]) -> List[str]:
+    argv = [os.path.join(_HERE, "kernelgate-worker")]
+    for p in plugins:
+        argv += ["--load", os.path.abspath(p)]
+    return argv
+
+
+def install() -> None:
+    _C.use_evidence(db_path(), shipped_paths())

@@ -1,0 +1,80 @@
+// The harness facade: cases from an op's contract, validation against the float64 oracle with
+// dispositions, and timing of passing runs. Runs inside a worker process (src/harness/worker_main.cpp);
+// the sweep (sweep.h) drives workers and writes the store.
+#pragma once
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace kernelgate::harness {
+
+// key=value;key=value lines with '%', ';', '=' and newlines percent-escaped: the worker protocol.
+std::string encode_fields(const std::vector<std::pair<std::string, std::string>>& fields);
+bool decode_fields(const std::string& text, std::map<std::string, std::string>* out,
+                   std::string* problem);
+
+// One case: sizes of the op's named dims, a dtype, a layout of the first tensor argument, a value
+// regime, a seed (fresh inputs per seed), scalar values and grad mode. Encoded as one line
+// (encode/decode) to cross the worker pipe.
+struct Case {
+  std::string op;
+  std::map<std::string, int64_t> dims;
+  std::string dtype = "float32";      // "float32", "float16", "bfloat16"
+  std::string layout = "contiguous";  // contiguous, row_strided, offset, transposed, expanded
+  std::string regime = "normal";      // normal, large, small, offset, special
+  std::map<std::string, double> scalars;
+  bool with_optional = true;  // pass optional tensor arguments (e.g. weight)
+  bool grad = true;           // validate gradients and time forward+backward
+  int seed = 0;
+
+  // Stable id of everything but the seed: "rms_norm/rows=4096,hidden=4097/bfloat16/...".
+  std::string id() const;
+  std::string encode() const;
+  static std::optional<Case> decode(const std::string& text, std::string* problem);
+};
+
+// kSmoke: a handful of cases that exercise every stage (tests, a first look).
+enum class Grid { kSmoke, kQuick, kFull };
+
+// Cases for an op from its contract: per named dim, bucket edges and odd/unaligned sizes; LLM
+// production shapes; tiny and degenerate shapes; every accepted dtype; scalar test values;
+// non-contiguous layouts; value regimes. Deterministic. `dtypes` empty = all accepted. Shapes
+// over max_elements (product of the named dims) are left out.
+std::vector<Case> make_cases(const std::string& op, Grid grid, const std::vector<std::string>& dtypes,
+                             int seeds, int64_t max_elements);
+
+struct Measured {
+  std::string disposition = "passed";  // passed, incorrect, crashed, out_of_memory, unsupported
+  std::string reason;
+  std::string region;      // the dispatch key the call falls in (describe_key)
+  int arch = -1;
+  std::string buckets, align;
+  double max_rel_l2 = 0, max_max_over_rms = 0;  // worst over outputs and gradients
+  // Timing (passing runs only): device time by CUDA graph replay (CPU: wall time), eager call time.
+  std::optional<double> device_median_us, device_spread_us, eager_median_us, eager_spread_us;
+  int device_samples = 0, eager_samples = 0;
+  double rel_noise = 0;
+  bool throttled = false;
+  std::string clocks_before, clocks_after;
+
+  std::string encode() const;
+  static std::optional<Measured> decode(const std::string& text, std::string* problem);
+};
+
+struct RunOptions {
+  bool time = true;
+  double time_cap_s = 1.0;
+  double target_rel_noise = 0.02;
+};
+
+// The region (describe_key of the dispatch key) a case's call falls in on a device of `arch`
+// (-1: CPU), computed without running anything: for results whose worker never answered.
+std::string case_region(const Case& c, int arch);
+
+// Validates `backend` on `c` (forward and every gradient against the oracle; outputs poisoned
+// first) and, if it passed and options.time, times it. Never throws: failures are dispositions.
+Measured run_case(const Case& c, const std::string& backend, const RunOptions& options);
+
+}  // namespace kernelgate::harness

@@ -1,0 +1,469 @@
+// Validation of one backend on one case against the float64 oracle, and timing of passing runs.
+//
+// The backend runs through the op's public path (the torch op, with the backend forced), so what
+// is validated is what a user's call executes. The oracle is the op's reference op
+// (`kernelgate::_<op>_reference`) on float64 copies of the same (dtype-rounded) inputs; the
+// reference backend at the tested dtype sets the error budget (tolerance rule: testing.py).
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/util/Exception.h>
+#include <torch/autograd.h>
+
+#include <chrono>
+#include <cmath>
+#include <functional>
+
+#include "harness/clocks.h"
+#include "harness/harness.h"
+#include "harness/stats.h"
+#include "kernelgate/dispatch.h"
+
+#ifdef KERNELGATE_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAEvent.h>
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDAGuard.h>
+#endif
+
+namespace kernelgate::harness {
+namespace {
+
+using at::Tensor;
+
+// The tolerance rule, stated once (python/kernelgate/testing.py documents the why):
+// metric(backend) <= kFactor * metric(reference at dtype) + floor(dtype), for the relative L2
+// error and the max error over the oracle's rms; NaN/Inf patterns must match the oracle's.
+constexpr double kFactor = 2.0;
+
+double floor_for(at::ScalarType t) {
+  switch (t) {
+    case at::kHalf: return 2 * std::ldexp(1.0, -11);
+    case at::kBFloat16: return 2 * std::ldexp(1.0, -8);
+    default: return 1e-5;
+  }
+}
+
+at::ScalarType parse_dtype(const std::string& s) {
+  if (s == "float32") return at::kFloat;
+  if (s == "float16") return at::kHalf;
+  if (s == "bfloat16") return at::kBFloat16;
+  TORCH_CHECK(false, "unknown dtype '", s, "'");
+}
+
+struct Failure {
+  std::string disposition, reason;
+};
+
+struct Metrics {
+  double l2 = 0, mx = 0;
+};
+
+Metrics metrics(const Tensor& got, const Tensor& oracle, const Tensor& finite) {
+  Tensor g = got.to(at::kDouble).masked_select(finite);
+  Tensor o = oracle.masked_select(finite);
+  if (o.numel() == 0) return {};
+  Tensor diff = (g - o).abs();
+  double norm = o.norm().item<double>();
+  double rms = norm / std::sqrt(static_cast<double>(o.numel()));
+  return {diff.norm().item<double>() / (norm > 0 ? norm : 1.0),
+          diff.max().item<double>() / (rms > 0 ? rms : 1.0)};
+}
+
+// Empty string when `got` passes; otherwise why not.
+std::string check(const std::string& name, const Tensor& got_in, const Tensor& ref_in,
+                  const Tensor& oracle_in, at::ScalarType dtype, Measured* m) {
+  Tensor got = got_in.detach().cpu(), ref = ref_in.detach().cpu();
+  Tensor oracle = oracle_in.detach().cpu().to(at::kDouble);
+  if (got.sizes() != oracle.sizes()) {
+    return name + ": shape " + c10::str(got.sizes()) + " differs from the oracle's " +
+           c10::str(oracle.sizes());
+  }
+  if (got.scalar_type() != ref.scalar_type()) {
+    return name + ": dtype " + dtype_name(got.scalar_type()) + " differs from the reference's " +
+           dtype_name(ref.scalar_type());
+  }
+  Tensor gd = got.to(at::kDouble);
+  if (!at::equal(gd.isnan(), oracle.isnan())) {
+    return name + ": NaN pattern differs from the oracle (" +
+           std::to_string(gd.isnan().sum().item<int64_t>()) + " NaN in result, " +
+           std::to_string(oracle.isnan().sum().item<int64_t>()) + " in oracle)";
+  }
+  Tensor oi = oracle.isinf(), gi = gd.isinf();
+  if (!at::equal(oi, gi) || !at::equal(oracle.masked_select(oi).sign(), gd.masked_select(gi).sign())) {
+    return name + ": Inf pattern differs from the oracle";
+  }
+  Tensor finite = oracle.isfinite();
+  Metrics r = metrics(ref, oracle, finite & ref.to(at::kDouble).isfinite());
+  Metrics g = metrics(got, oracle, finite);
+  m->max_rel_l2 = std::max(m->max_rel_l2, g.l2);
+  m->max_max_over_rms = std::max(m->max_max_over_rms, g.mx);
+  const double fl = floor_for(dtype);
+  char buf[256];
+  if (g.l2 > kFactor * r.l2 + fl) {
+    std::snprintf(buf, sizeof(buf), "%s: relative L2 error %.3e > %.1f x reference %.3e + floor %.1e",
+                  name.c_str(), g.l2, kFactor, r.l2, fl);
+    return buf;
+  }
+  if (g.mx > kFactor * r.mx + fl) {
+    std::snprintf(buf, sizeof(buf), "%s: max error / rms %.3e > %.1f x reference %.3e + floor %.1e",
+                  name.c_str(), g.mx, kFactor, r.mx, fl);
+    return buf;
+  }
+  return "";
+}
+
+// ---- inputs ----------------------------------------------------------------------------------
+
+struct Inputs {
+  std::vector<Tensor> leaves;  // per tensor argument (undefined if absent); gradients w.r.t. these
+  std::vector<Tensor> args;    // what the op receives: views of the leaves
+};
+
+std::vector<int64_t> shape_of(const TensorArgSpec& spec, const OpContract& c, const Case& k) {
+  std::vector<int64_t> shape;
+  for (const DimSpec& d : spec.dims) {
+    const std::string& n = c.named_dims[d.named_dim];
+    TORCH_CHECK(k.dims.count(n), "case gives no size for dim '", n, "'");
+    shape.push_back(k.dims.at(n));
+  }
+  return shape;
+}
+
+Tensor values(std::vector<int64_t> shape, const std::string& regime, uint64_t seed) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  Tensor v = at::randn(shape, gen, at::TensorOptions().dtype(at::kDouble));
+  if (regime == "large") v = v * 5e3;
+  if (regime == "small") v = v * 1e-4;
+  if (regime == "offset") v = v * 0.01 + 3.0;
+  if (regime == "special" && v.dim() == 2 && v.size(0) >= 3 && v.size(1) >= 2) {
+    v[0][0] = std::nan("");
+    v[1][1] = INFINITY;
+    v[2].zero_();
+  }
+  return v;
+}
+
+// Builds the leaves at dtype on `device` (layout applied to the first tensor argument) and,
+// from the same rounded values, the float64 leaves for the oracle.
+std::pair<Inputs, Inputs> make_inputs(const OpContract& c, const Case& k, at::Device device,
+                                      at::ScalarType dtype, bool with_values = true) {
+  Inputs in, oracle;
+  for (size_t a = 0; a < c.tensor_args.size(); ++a) {
+    const TensorArgSpec& spec = c.tensor_args[a];
+    if (spec.optional && !k.with_optional) {
+      in.leaves.emplace_back();
+      in.args.emplace_back();
+      oracle.leaves.emplace_back();
+      oracle.args.emplace_back();
+      continue;
+    }
+    std::vector<int64_t> full = shape_of(spec, c, k);
+    const uint64_t seed = static_cast<uint64_t>(k.seed) * 1000003ull + a * 7919ull + 17;
+    std::string layout = a == 0 && full.size() == 2 ? k.layout : "contiguous";
+    std::vector<int64_t> leaf_shape = full;
+    if (layout == "row_strided") leaf_shape = {full[0], full[1] + 5};
+    if (layout == "offset") leaf_shape = {full[0] * full[1] + 1};
+    if (layout == "transposed") leaf_shape = {full[1], full[0]};
+    if (layout == "expanded") leaf_shape = {1, full[1]};
+    if (spec.dtype_class == DTypeClass::kIndex) {
+      TORCH_CHECK(false, "index tensors are not generated yet (", spec.name, ")");
+    }
+    Tensor leaf = with_values
+                      ? values(leaf_shape, a == 0 ? k.regime : "normal", seed).to(device, dtype)
+                      : at::empty(leaf_shape, at::TensorOptions().device(device).dtype(dtype));
+    leaf = leaf.detach().requires_grad_(k.grad);
+    Tensor leaf64 = with_values ? leaf.detach().to(at::kDouble).requires_grad_(k.grad) : Tensor();
+    auto view = [&](const Tensor& t) -> Tensor {
+      if (layout == "row_strided") return t.narrow(1, 0, full[1]);
+      if (layout == "offset") return t.narrow(0, 1, full[0] * full[1]).view(full);
+      if (layout == "transposed") return t.t();
+      if (layout == "expanded") return t.expand(full);
+      return t;
+    };
+    in.leaves.push_back(leaf);
+    in.args.push_back(view(leaf));
+    oracle.leaves.push_back(leaf64);
+    oracle.args.push_back(leaf64.defined() ? view(leaf64) : Tensor());
+  }
+  return {in, oracle};
+}
+
+// ---- running the op --------------------------------------------------------------------------
+
+std::vector<Tensor> call_op(const std::string& qualified, const OpContract& c, const Case& k,
+                            const std::vector<Tensor>& args) {
+  auto op = c10::Dispatcher::singleton().findSchemaOrThrow(qualified.c_str(), "");
+  std::vector<c10::IValue> stack;
+  for (const auto& arg : op.schema().arguments()) {
+    auto it = std::find_if(c.tensor_args.begin(), c.tensor_args.end(),
+                           [&](const TensorArgSpec& s) { return s.name == arg.name(); });
+    if (it != c.tensor_args.end()) {
+      const Tensor& t = args[it - c.tensor_args.begin()];
+      stack.emplace_back(t.defined() ? c10::IValue(t) : c10::IValue());
+    } else if (k.scalars.count(arg.name())) {
+      stack.emplace_back(k.scalars.at(arg.name()));
+    } else {
+      TORCH_CHECK(arg.default_value().has_value(), "case gives no value for ", arg.name());
+      stack.push_back(*arg.default_value());
+    }
+  }
+  op.callBoxed(stack);
+  std::vector<Tensor> out;
+  for (const auto& v : stack) {
+    if (v.isTensor()) out.push_back(v.toTensor());
+    if (v.isTuple()) {
+      for (const auto& e : v.toTupleRef().elements()) out.push_back(e.toTensor());
+    }
+  }
+  return out;
+}
+
+// Outputs then gradients (w.r.t. each present leaf), for one run.
+std::vector<Tensor> forward_backward(const std::string& qualified, const OpContract& c,
+                                     const Case& k, const Inputs& in,
+                                     const std::vector<Tensor>& cotangents) {
+  std::vector<Tensor> out = call_op(qualified, c, k, in.args);
+  if (!k.grad) return out;
+  std::vector<Tensor> leaves, outs, cots;
+  for (const Tensor& l : in.leaves) {
+    if (l.defined()) leaves.push_back(l);
+  }
+  for (size_t i = 0; i < out.size(); ++i) {
+    if (out[i].requires_grad()) {
+      outs.push_back(out[i]);
+      cots.push_back(cotangents[i].to(out[i].device(), out[i].scalar_type()));
+    }
+  }
+  auto grads = torch::autograd::grad(outs, leaves, cots, /*retain_graph=*/false,
+                                     /*create_graph=*/false, /*allow_unused=*/true);
+  for (size_t i = 0; i < grads.size(); ++i) {
+    out.push_back(grads[i].defined() ? grads[i] : at::zeros_like(leaves[i]));
+  }
+  return out;
+}
+
+void poison_device_memory(at::Device device) {
+#ifdef KERNELGATE_WITH_CUDA
+  // NaN into the caching allocator's free blocks, so an output element a kernel never writes
+  // reads as NaN. (On the CPU the worker installs a poisoning allocator instead.)
+  if (device.is_cuda()) {
+    std::vector<Tensor> blocks;
+    blocks.push_back(at::empty({int64_t{1} << 26}, at::TensorOptions().device(device)));
+    for (int i = 0; i < 16; ++i) {
+      blocks.push_back(at::empty({(int64_t{1} << 18) - 64 * i}, at::TensorOptions().device(device)));
+    }
+    for (auto& b : blocks) b.fill_(std::nan(""));
+  }
+#endif
+  (void)device;
+}
+
+struct ForcedBackend {
+  Dispatcher::Overrides saved;
+  ForcedBackend(const std::string& op, const std::string& backend)
+      : saved(Dispatcher::get().overrides()) {
+    Dispatcher::get().force(op, backend);
+  }
+  ~ForcedBackend() { Dispatcher::get().set_overrides(saved); }
+};
+
+// ---- timing ----------------------------------------------------------------------------------
+
+SamplingPolicy sampling(const RunOptions& o) {
+  SamplingPolicy p;
+  p.target_rel_noise = o.target_rel_noise;
+  p.time_cap_s = o.time_cap_s;
+  return p;
+}
+
+void time_run(const std::function<void()>& fn, at::Device device, const RunOptions& o,
+              Measured* m) {
+  Sampler eager(sampling(o)), dev(sampling(o));
+  for (int i = 0; i < 3; ++i) fn();  // warm-up
+#ifdef KERNELGATE_WITH_CUDA
+  if (device.is_cuda()) {
+    m->clocks_before = read_clocks(device.index()).text;
+    Tensor flush = at::empty({256 << 20}, at::TensorOptions().device(device).dtype(at::kByte));
+    auto timed = [&](const std::function<void()>& body) {
+      flush.zero_();  // L2 flushed between samples
+      at::cuda::CUDAEvent start(cudaEventDefault), stop(cudaEventDefault);
+      auto stream = at::cuda::getCurrentCUDAStream(device.index());
+      start.record(stream);
+      body();
+      stop.record(stream);
+      stop.synchronize();
+      return static_cast<double>(start.elapsed_time(stop)) * 1000.0;
+    };
+    while (!eager.done()) eager.add(timed(fn));
+    try {
+      at::cuda::CUDAGraph graph;
+      auto side = at::cuda::getStreamFromPool(false, device.index());
+      at::cuda::CUDAEvent ready;
+      ready.record(at::cuda::getCurrentCUDAStream(device.index()));
+      ready.block(side);  // capture on a side stream, after the inputs are ready
+      {
+        at::cuda::CUDAStreamGuard g(side);
+        for (int i = 0; i < 2; ++i) fn();
+        graph.capture_begin();
+        fn();
+        graph.capture_end();
+      }
+      at::cuda::getCurrentCUDAStream(device.index()).synchronize();
+      side.synchronize();
+      while (!dev.done()) dev.add(timed([&] { graph.replay(); }));
+    } catch (const c10::Error& e) {
+      m->reason = std::string("device time not measured: graph capture failed: ") +
+                  e.what_without_backtrace();
+    }
+    ClockReading after = read_clocks(device.index());
+    m->clocks_after = after.text;
+    m->throttled = after.throttled;
+  } else
+#endif
+  {
+    auto timed = [&](const std::function<void()>& body) {
+      auto t0 = std::chrono::steady_clock::now();
+      body();
+      return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+    };
+    while (!eager.done()) eager.add(timed(fn));
+    dev = eager;  // no graphs on the CPU: the call is the device time
+  }
+  Summary e = eager.summary();
+  m->eager_median_us = e.median;
+  m->eager_spread_us = e.p90 - e.p10;
+  m->eager_samples = e.n;
+  if (dev.summary().n > 0) {
+    Summary d = dev.summary();
+    m->device_median_us = d.median;
+    m->device_spread_us = d.p90 - d.p10;
+    m->device_samples = d.n;
+    m->rel_noise = d.rel_noise;
+  }
+}
+
+}  // namespace
+
+std::string case_region(const Case& k, int arch) {
+  const OpEntry* e = Dispatcher::get().find_op(k.op);
+  if (e == nullptr) return "";
+  // Meta tensors with the case's layout: the key needs shapes, strides and alignment only.
+  Inputs in = make_inputs(e->contract, k, at::Device(at::kMeta), parse_dtype(k.dtype), false).first;
+  CallView call;
+  call.num_tensors = static_cast<int>(in.args.size());
+  for (size_t a = 0; a < in.args.size(); ++a) {
+    call.tensors[a] = in.args[a].defined() ? &in.args[a] : nullptr;
+  }
+  call.grad = k.grad;
+  DispatchKey key = Dispatcher::get().make_key(e->id, call, check_call(e->contract, call));
+  key.arch = static_cast<int16_t>(arch);
+  return describe_key(key);
+}
+
+Measured run_case(const Case& k, const std::string& backend, const RunOptions& options) {
+  Measured m;
+  try {
+    Dispatcher& d = Dispatcher::get();
+    const OpEntry* e = d.find_op(k.op);
+    if (e == nullptr) return {"unsupported", "unknown op '" + k.op + "'"};
+    const OpContract& c = e->contract;
+    const at::ScalarType dtype = parse_dtype(k.dtype);
+    at::Device device = at::kCPU;
+#ifdef KERNELGATE_WITH_CUDA
+    if (at::cuda::is_available()) device = at::Device(at::kCUDA, 0);
+#endif
+    auto [in, oracle_in] = make_inputs(c, k, device, dtype);
+
+    // Which region the call falls in, and whether the backend serves it when forced.
+    CallView call;
+    call.num_tensors = static_cast<int>(in.args.size());
+    for (size_t a = 0; a < in.args.size(); ++a) {
+      call.tensors[a] = in.args[a].defined() ? &in.args[a] : nullptr;
+    }
+    call.grad = k.grad;
+    BoundDims dims = check_call(c, call);
+    DispatchKey key = d.make_key(e->id, call, dims);
+    m.region = describe_key(key);
+    m.arch = key.arch;
+    m.align = align_class_name(key.align);
+    for (size_t i = 0; i < c.named_dims.size(); ++i) {
+      m.buckets += (i ? "," : "") + std::to_string(key.buckets[i]);
+    }
+    {
+      ForcedBackend force(k.op, backend);
+      Explanation ex = d.explain(e->id, call, dims);
+      if (ex.backend != backend) {
+        for (const auto& cand : ex.candidates) {
+          if (cand.backend == backend) m.reason = cand.reason;
+        }
+        if (m.reason.empty()) m.reason = "no backend '" + backend + "' for " + k.op;
+        m.disposition = "unsupported";
+        return m;
+      }
+    }
+    // Cotangents, seeded like the inputs.
+    const std::string qualified = "kernelgate::" + k.op;
+    std::vector<Tensor> cot;
+    {
+      ForcedBackend force(k.op, "reference");
+      for (const Tensor& t : call_op(qualified, c, k, in.args)) {
+        auto gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(k.seed) + 99991);
+        cot.push_back(at::randn(t.sizes(), gen, at::TensorOptions().dtype(at::kDouble)));
+      }
+    }
+    std::vector<Tensor> ref, got, ora;
+    {
+      ForcedBackend force(k.op, "reference");
+      ref = forward_backward(qualified, c, k, in, cot);
+    }
+    {
+      ForcedBackend force(k.op, backend);
+      // A decoy call on other values of the same shape first: a backend that returns a buffer
+      // from its previous call returns the decoy's result and fails.
+      Case decoy_case = k;
+      decoy_case.seed = k.seed + 7777777;
+      auto decoy = make_inputs(c, decoy_case, device, dtype).first;
+      forward_backward(qualified, c, decoy_case, decoy, cot);
+      poison_device_memory(device);
+      got = forward_backward(qualified, c, k, in, cot);
+    }
+    ora = forward_backward("kernelgate::_" + k.op + "_reference", c, k, oracle_in, cot);
+    if (got.size() != ora.size()) {
+      return {"incorrect", "returned " + std::to_string(got.size()) + " tensors, the oracle " +
+                               std::to_string(ora.size())};
+    }
+    std::vector<std::string> names;
+    for (size_t i = 0; i < got.size(); ++i) names.push_back("output " + std::to_string(i));
+    if (k.grad) {  // the trailing entries are gradients, one per present input
+      size_t g = got.size();
+      for (size_t a = in.leaves.size(); a-- > 0;) {
+        if (in.leaves[a].defined()) names[--g] = "grad of " + c.tensor_args[a].name;
+      }
+    }
+    for (size_t i = 0; i < got.size(); ++i) {
+      const std::string& name = names[i];
+      std::string why = check(name, got[i], ref[i], ora[i], dtype, &m);
+      if (!why.empty()) {
+        m.disposition = "incorrect";
+        m.reason = why;
+        return m;
+      }
+    }
+    if (options.time) {
+      ForcedBackend force(k.op, backend);
+      time_run([&] { forward_backward(qualified, c, k, in, cot); }, device, options, &m);
+    }
+  } catch (const c10::OutOfMemoryError& e) {
+    m.disposition = "out_of_memory";
+    m.reason = e.what_without_backtrace();
+  } catch (const c10::Error& e) {
+    m.disposition = "crashed";
+    m.reason = std::string("raised: ") + e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    m.disposition = "crashed";
+    m.reason = std::string("raised: ") + e.what();
+  }
+  return m;
+}
+
+}  // namespace kernelgate::harness

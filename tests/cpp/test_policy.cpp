@@ -1,0 +1,124 @@
+// Policy derivation from stored results (a pure function of the rows): eligibility, ranking,
+// ties within noise, fail-closed, and the shipped-evidence rule.
+#include <gtest/gtest.h>
+
+#include "harness/sweep.h"
+
+namespace kernelgate::harness {
+namespace {
+
+using store::Disposition;
+
+store::Result row(const std::string& backend, const std::string& case_id, double us,
+                  Disposition d = Disposition::kPassed, double noise = 0.005,
+                  const std::string& region = "op cpu float32 n<=2^4 vec16 grad") {
+  store::Result r;
+  r.op = "op";
+  r.backend = backend;
+  r.case_id = case_id;
+  r.region = region;
+  r.disposition = d;
+  if (d == Disposition::kPassed && us > 0) {
+    r.device_median_us = us;
+    r.rel_noise = noise;
+  }
+  return r;
+}
+
+const RegionPolicy& only(const std::vector<RegionPolicy>& p) {
+  EXPECT_EQ(p.size(), 1u);
+  return p.front();
+}
+
+TEST(Policy, RanksByTimeFastestFirst) {
+  auto p = derive_policy({row("reference", "a/seed=0", 30), row("reference", "b/seed=0", 60),
+                          row("aten", "a/seed=0", 20), row("aten", "b/seed=0", 40),
+                          row("kernelgate_cpu", "a/seed=0", 10), row("kernelgate_cpu", "b/seed=0", 20)});
+  const auto& r = only(p);
+  EXPECT_EQ(r.ranked, (std::vector<std::string>{"kernelgate_cpu", "aten", "reference"}));
+  EXPECT_NEAR(r.margin, 1.0, 1e-9);  // aten takes twice as long
+  EXPECT_EQ(r.comparison, "faster");
+}
+
+TEST(Policy, MedianOverSeedsAndGeometricMeanOverCases) {
+  auto p = derive_policy({row("x_kernel", "a/seed=0", 10), row("x_kernel", "a/seed=1", 1000),
+                          row("x_kernel", "a/seed=2", 11), row("reference", "a/seed=0", 12)});
+  EXPECT_EQ(only(p).ranked.front(), "x_kernel");  // median 11 < 12, the outlier ignored
+}
+
+TEST(Policy, TieWithinNoiseKeepsFixedPreference) {
+  // Within 2% of each other with 2% noise: "same"; the fixed order puts our kernel before aten
+  // and the reference last, whichever measured faster.
+  auto p = derive_policy({row("reference", "a/seed=0", 100.0, Disposition::kPassed, 0.02),
+                          row("aten", "a/seed=0", 99.0, Disposition::kPassed, 0.02),
+                          row("kernelgate_cuda", "a/seed=0", 101.0, Disposition::kPassed, 0.02)});
+  const auto& r = only(p);
+  EXPECT_EQ(r.ranked, (std::vector<std::string>{"kernelgate_cuda", "aten", "reference"}));
+  EXPECT_EQ(r.comparison, "same");
+}
+
+TEST(Policy, AnyFailureInTheRegionFailsClosed) {
+  for (Disposition bad : {Disposition::kIncorrect, Disposition::kCrashed, Disposition::kTimedOut,
+                          Disposition::kOutOfMemory}) {
+    auto p = derive_policy({row("fast", "a/seed=0", 1), row("fast", "b/seed=0", 0, bad),
+                            row("reference", "a/seed=0", 10), row("reference", "b/seed=0", 10)});
+    const auto& r = only(p);
+    EXPECT_EQ(r.ranked, std::vector<std::string>{"reference"});
+    for (const auto& s : r.standings) {
+      if (s.backend == "fast") {
+        EXPECT_EQ(s.failures.at(std::string(store::to_string(bad))), 1);
+      }
+    }
+  }
+}
+
+TEST(Policy, UntimedPassesProveCorrectnessNotSpeed) {
+  auto p = derive_policy({row("validated_only", "a/untimed/seed=0", 0), row("reference", "a/seed=0", 10)});
+  EXPECT_EQ(only(p).ranked, std::vector<std::string>{"reference"});
+}
+
+TEST(Policy, RegionsAreIndependent) {
+  auto p = derive_policy({row("k", "a/seed=0", 1, Disposition::kPassed, 0.005, "r1"),
+                          row("k", "b/seed=0", 0, Disposition::kIncorrect, 0.005, "r2"),
+                          row("reference", "a/seed=0", 5, Disposition::kPassed, 0.005, "r1"),
+                          row("reference", "b/seed=0", 5, Disposition::kPassed, 0.005, "r2")});
+  ASSERT_EQ(p.size(), 2u);
+  EXPECT_EQ(p[0].ranked.front(), "k");
+  EXPECT_EQ(p[1].ranked, std::vector<std::string>{"reference"});
+}
+
+TEST(Policy, UnsupportedRowsAreNotFailures) {
+  auto p = derive_policy({row("gpu_only", "a/seed=0", 0, Disposition::kUnsupported),
+                          row("reference", "a/seed=0", 5)});
+  EXPECT_EQ(only(p).ranked, std::vector<std::string>{"reference"});
+  for (const auto& s : only(p).standings) EXPECT_NE(s.backend, "gpu_only");
+}
+
+TEST(Policy, ShippedEvidenceRule) {
+  store::Fingerprint ours;
+  ours.gpu_name = "NVIDIA H200";
+  ours.compute_capability = "9.0";
+  ours.sm_count = 132;
+  ours.memory_bytes = 150000000000;
+  ours.driver = "13.0";
+  ours.cuda_runtime = "13.0";
+  ours.torch_version = "2.11.0";
+  ours.kernelgate_version = "0.1.0";
+  ours.source_hash = "abc";
+  store::Fingerprint user = ours;
+  user.driver = "13.1";
+  user.memory_bytes = 140000000000;
+  EXPECT_TRUE(shipped_evidence_applies(ours, user));  // another driver: same kernels, same chip
+  for (auto change : std::vector<std::function<void(store::Fingerprint&)>>{
+           [](auto& f) { f.gpu_name = "NVIDIA H100 80GB HBM3"; },
+           [](auto& f) { f.compute_capability = "8.0"; }, [](auto& f) { f.sm_count = 114; },
+           [](auto& f) { f.torch_version = "2.12.0"; }, [](auto& f) { f.source_hash = "def"; },
+           [](auto& f) { f.cuda_runtime = "12.8"; }}) {
+    store::Fingerprint other = user;
+    change(other);
+    EXPECT_FALSE(shipped_evidence_applies(ours, other)) << other.gpu_name;
+  }
+}
+
+}  // namespace
+}  // namespace kernelgate::harness

@@ -1,0 +1,210 @@
+"""The evidence engine end to end on the CPU: sweeps in worker processes, faulty backends caught
+with the right disposition and never timed or dispatched, resume, shards, the store commands,
+doctor, and the dispatcher following the evidence."""
+
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import kernelgate as kg
+from kernelgate import _C, cli
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+
+# Each test-only backend and the disposition the harness must give it somewhere on the smoke grid.
+FAULTY = {
+    "faulty_skips_last_row": "incorrect",
+    "faulty_ignores_eps": "incorrect",
+    "faulty_partial_write": "incorrect",
+    "faulty_assumes_contiguous": "incorrect",
+    "faulty_nan_to_zero": "incorrect",
+    "faulty_stale_buffer": "incorrect",
+    "faulty_aborts": "crashed",
+    "faulty_hangs": "timed_out",
+}
+
+
+def plugin_path() -> str:
+    path = os.environ.get("KERNELGATE_TEST_PLUGIN")
+    if not path:
+        found = sorted(glob.glob(os.path.join(REPO, "build", "*", "tests", "cpp", "libkgtest_faulty.so")))
+        path = found[0] if found else ""
+    if not path or not os.path.exists(path):
+        pytest.fail("libkgtest_faulty.so not found: build with KERNELGATE_BUILD_TESTS=ON "
+                    "(scripts/test.sh does) or set KERNELGATE_TEST_PLUGIN")
+    return path
+
+
+def run(capsys, *args) -> dict:
+    capsys.readouterr()
+    assert cli.main([*args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def sweep_args(db, *extra, seeds=1):
+    return ["--db", db, "--dtype", "float32", "--seeds", str(seeds), "--case-timeout", "2", *extra]
+
+
+@pytest.fixture(scope="module")
+def faulty_db(tmp_path_factory):
+    db = str(tmp_path_factory.mktemp("evidence") / "faulty.sqlite")
+    backends = ["reference", "kernelgate_cpu", *FAULTY]
+    args = ["bench", "run", "rms_norm", "--grid", "smoke", "--time-cap", "0.02",
+            "--load", plugin_path(), *sweep_args(db, seeds=3)]
+    for b in backends:
+        args += ["--backend", b]
+    assert cli.main(args + ["--json"]) == 0
+    return db, args
+
+
+def exported(db, tmp_path) -> dict:
+    path = str(tmp_path / "export.json")
+    assert cli.main(["db", "export", path, "--db", db]) == 0
+    with open(path) as f:
+        return json.load(f)
+
+
+def test_faulty_backends_caught_never_timed_never_dispatched(faulty_db, tmp_path, capsys):
+    db, _ = faulty_db
+    rows = exported(db, tmp_path)["results"]
+    by_backend = {}
+    for r in rows:
+        by_backend.setdefault(r["backend"], []).append(r)
+    for backend, expected in FAULTY.items():
+        dispositions = {r["disposition"] for r in by_backend[backend]}
+        assert expected in dispositions, f"{backend}: {dispositions}"
+        for r in by_backend[backend]:
+            if r["disposition"] != "passed":
+                assert r["device_median_us"] is None and r["eager_median_us"] is None, r
+                assert r["reason"], r
+    assert all(r["disposition"] == "crashed" and "SIGABRT" in r["reason"]
+               for r in by_backend["faulty_aborts"])
+    assert all(r["disposition"] == "timed_out" for r in by_backend["faulty_hangs"])
+    # Correct backends pass everywhere.
+    assert {r["disposition"] for r in by_backend["kernelgate_cpu"]} == {"passed"}
+    policy = run(capsys, "policy", "show", "rms_norm", "--db", db)["rms_norm"]
+    assert policy["regions"]
+    for region in policy["regions"]:
+        failed = {s["backend"] for s in region["standings"] if s["failures"]}
+        assert not failed & set(region["ranked"]), region
+        assert "reference" in region["ranked"] and "kernelgate_cpu" in region["ranked"]
+        for s in region["standings"]:
+            if s["backend"] in ("faulty_aborts", "faulty_hangs", "faulty_skips_last_row",
+                                "faulty_partial_write", "faulty_stale_buffer"):
+                assert s["failures"] and s["backend"] not in region["ranked"]
+
+
+def test_resume_skips_what_is_stored(faulty_db, capsys):
+    db, args = faulty_db
+    report = run(capsys, *args)["rms_norm"]
+    assert report["planned"] > 0 and report["skipped"] == report["planned"]
+    assert report["dispositions"] == {}
+
+
+def test_shards_partition_the_cases(tmp_path, capsys):
+    whole = run(capsys, "validate", "rms_norm", "--backend", "kernelgate_cpu",
+                *sweep_args(str(tmp_path / "a.sqlite")))["rms_norm"]
+    parts = [run(capsys, "bench", "run", "rms_norm", "--grid", "smoke", "--shard", f"{i}/2",
+                 "--backend", "kernelgate_cpu", "--time-cap", "0.01", *sweep_args(str(tmp_path / "b.sqlite")))["rms_norm"]
+             for i in range(2)]
+    assert sum(p["planned"] for p in parts) == whole["planned"]
+    assert all(p["planned"] > 0 for p in parts)
+    with pytest.raises(SystemExit, match="shard"):
+        cli.main(["bench", "run", "rms_norm", "--shard", "2/2", *sweep_args(str(tmp_path / "c.sqlite"))])
+
+
+def test_dispatcher_follows_the_evidence(faulty_db):
+    db, _ = faulty_db
+    try:
+        _C.use_evidence(db, [])
+        x, w = torch.randn(256, 256), torch.randn(256)
+        e = kg.explain("rms_norm", x, w)  # the smoke grid's main region, no grad
+        assert e.backend == "kernelgate_cpu", str(e)
+        assert "evidence in" in e.reason
+        # Wrong in every region: never ranked. (faulty_assumes_contiguous is right for
+        # contiguous inputs, and the evidence may say so.)
+        ranked_reasons = {c.backend: c.reason for c in e.candidates}
+        for b in FAULTY:
+            if b != "faulty_assumes_contiguous":
+                assert "no evidence of a pass" in ranked_reasons[b], (b, ranked_reasons[b])
+        torch.testing.assert_close(kg.rms_norm(x, w), torch.ops.kernelgate._rms_norm_reference(x, w))
+        # A region with no evidence still runs the reference.
+        assert kg.explain("rms_norm", torch.randn(3, 5000), None).backend == "reference"
+    finally:
+        kg.evidence.install()
+
+
+def test_export_import_merge(faulty_db, tmp_path, capsys):
+    db, _ = faulty_db
+    path = str(tmp_path / "e.json")
+    run(capsys, "db", "export", path, "--db", db)
+    fresh = str(tmp_path / "fresh.sqlite")
+    imported = run(capsys, "db", "import", path, "--db", fresh)
+    n = len(exported(db, tmp_path)["results"])
+    assert imported["results_added"] == n
+    regions = lambda path: run(capsys, "policy", "show", "rms_norm", "--db", path)["rms_norm"]["regions"]  # noqa: E731
+    assert regions(fresh) == regions(db)
+    merged = str(tmp_path / "merged.sqlite")
+    assert run(capsys, "db", "merge", db, "--db", merged)["results_added"] == n
+    assert run(capsys, "db", "merge", db, "--db", merged)["results_added"] == 0  # idempotent
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(SystemExit, match="import"):
+        cli.main(["db", "import", str(bad), "--db", fresh])
+    assert len(exported(fresh, tmp_path)["results"]) == n  # nothing half-imported
+
+
+def test_corrupt_store_is_reported_not_used_not_touched(tmp_path, capsys):
+    db = tmp_path / "corrupt.sqlite"
+    garbage = os.urandom(4096)
+    db.write_bytes(garbage)
+    st = run(capsys, "doctor", "--db", str(db))
+    assert st["usable"] is False and str(db) in st["problem"]
+    with pytest.raises(SystemExit, match=str(db)):
+        cli.main(["validate", "rms_norm", *sweep_args(str(db))])
+    policy = run(capsys, "policy", "show", "rms_norm", "--db", str(db))["rms_norm"]
+    assert policy["regions"] == [] and "not used" in policy["notes"][0]
+    assert db.read_bytes() == garbage
+
+
+def test_doctor_reports_fingerprint_and_counts(faulty_db, capsys):
+    db, _ = faulty_db
+    st = run(capsys, "doctor", "--db", db)
+    assert st["usable"] and st["current_results"] > 0 and st["stale"] == []
+    fp = st["fingerprint"]
+    assert fp["torch_version"] == torch.__version__ and fp["kernelgate_version"] == kg.__version__
+    assert len(fp["source_hash"]) == 16
+
+
+def test_concurrent_sweeps_into_one_store(tmp_path):
+    db = str(tmp_path / "shared.sqlite")
+    env = dict(os.environ)
+    procs = [subprocess.Popen([sys.executable, "-m", "kernelgate.cli", "validate", "rms_norm", "--shard",
+                               f"{i}/2", "--backend", "kernelgate_cpu", "--backend", "reference",
+                               *sweep_args(db), "--json"], stdout=subprocess.PIPE, env=env)
+             for i in range(2)]
+    reports = [json.loads(p.communicate(timeout=300)[0])["rms_norm"] for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    total = sum(sum(r["dispositions"].values()) for r in reports)
+    with open(tmp_path / "x.json", "w"):
+        pass
+    assert cli.main(["db", "export", str(tmp_path / "x.json"), "--db", db]) == 0
+    with open(tmp_path / "x.json") as f:
+        assert len(json.load(f)["results"]) == total
+
+
+def test_cli_ops_explain_json(capsys):
+    ops = run(capsys, "ops")
+    assert ops[0]["name"] == "rms_norm" and ops[0]["backends"][0]["name"] == "reference"
+    e = run(capsys, "explain", "rms_norm", "--shape", "x=8x64", "--dtype", "float32", "--device", "cpu")
+    assert e["backend"] and len(e["candidates"]) >= 4
+    with pytest.raises(SystemExit):
+        cli.main(["validate", "no_such_op"])
+    with pytest.raises(SystemExit, match="no backend 'nope'"):
+        cli.main(["validate", "rms_norm", "--backend", "nope", "--db", "/tmp/unused.sqlite"])
