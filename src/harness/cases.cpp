@@ -299,6 +299,7 @@ std::vector<Case> make_cases(const std::string& op, Grid grid,
   std::map<std::string, double> default_scalars;
   for (const auto& [name, values] : c.scalar_test_values) default_scalars[name] = values.front();
   std::vector<Case> out;
+  std::set<std::string> emitted;  // the rotation can land on a case listed on its own
   // Seeds of a default case also rotate the value regime and the scalar values, so that every
   // region's evidence includes values where eps matters and special values, not only N(0, 1).
   static const char* kRotation[] = {"normal", "small", "special", "large", "offset"};
@@ -312,7 +313,7 @@ std::vector<Case> make_cases(const std::string& op, Grid grid,
           v.scalars[name] = values[s % values.size()];
         }
       }
-      out.push_back(v);
+      if (emitted.insert(v.id() + "/" + std::to_string(s)).second) out.push_back(v);
     }
   };
   for (const auto& dt : dtypes) {

@@ -199,6 +199,14 @@ def test_concurrent_sweeps_into_one_store(tmp_path):
         assert len(json.load(f)["results"]) == total
 
 
+def test_db_path_follows_the_environment(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("KERNELGATE_DB", str(tmp_path / "here.sqlite"))
+    assert run(capsys, "db", "path") == {"path": str(tmp_path / "here.sqlite")}
+    assert run(capsys, "db", "path", "--db", "/x/y.sqlite") == {"path": "/x/y.sqlite"}
+    with pytest.raises(SystemExit):
+        cli.main(["db", "merge"])  # needs a file
+
+
 def test_cli_ops_explain_json(capsys):
     ops = run(capsys, "ops")
     assert ops[0]["name"] == "rms_norm" and ops[0]["backends"][0]["name"] == "reference"
