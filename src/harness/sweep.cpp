@@ -256,9 +256,12 @@ std::vector<RegionPolicy> derive_policy(const std::vector<store::Result>& rows) 
         ++s.cases;
         if (r->disposition == store::Disposition::kPassed) {
           ++s.passed;
-          if (r->device_median_us) {  // validation-only runs prove correctness, not speed
+          // Device time (graph replay) where measured, else the eager call time; validation-only
+          // runs prove correctness, not speed.
+          const std::optional<double> t = r->device_median_us ? r->device_median_us : r->eager_median_us;
+          if (t) {
             ++timed;
-            times[backend][case_of(r->case_id)].push_back(*r->device_median_us);
+            times[backend][case_of(r->case_id)].push_back(*t);
             if (r->rel_noise) s.noise = std::max(s.noise, *r->rel_noise);
           }
         } else {
@@ -351,6 +354,22 @@ bool shipped_evidence_applies(const store::Fingerprint& stored, const store::Fin
   return a.id() == b.id();
 }
 
+std::vector<store::Result> usable_rows(const store::Store& s, const store::Fingerprint& current,
+                                       bool shipped, const std::string& op) {
+  std::vector<std::string> ids{current.id()};
+  if (shipped) {
+    for (const auto& st : s.stale(current).stale) {
+      if (shipped_evidence_applies(st.fingerprint, current)) ids.push_back(st.id);
+    }
+  }
+  std::vector<store::Result> rows;
+  for (const auto& id : ids) {
+    auto more = s.results(id, op);
+    rows.insert(rows.end(), more.begin(), more.end());
+  }
+  return rows;
+}
+
 LazyEvidencePolicy::LazyEvidencePolicy(std::string user_db, std::vector<std::string> shipped_dbs)
     : user_db_(std::move(user_db)), shipped_(std::move(shipped_dbs)) {}
 
@@ -361,7 +380,7 @@ void LazyEvidencePolicy::load() const {
     auto opened = store::Store::open(user_db_, store::Mode::kReadOnly);
     if (opened) {
       try {
-        auto rows = opened.store->results(fp.id());
+        auto rows = usable_rows(*opened.store, fp, /*shipped=*/false);
         user_ = std::make_unique<EvidencePolicy>(derive_policy(rows), "evidence in " + user_db_);
         notes.push_back(user_->describe());
       } catch (const std::exception& ex) {
@@ -378,15 +397,8 @@ void LazyEvidencePolicy::load() const {
         continue;
       }
       try {
-        auto report = s.store->stale(fp);
-        std::vector<std::string> ids{report.current_id};
-        for (const auto& st : report.stale) {
-          if (shipped_evidence_applies(st.fingerprint, fp)) ids.push_back(st.id);
-        }
-        for (const auto& id : ids) {
-          auto rows = s.store->results(id);
-          shipped_rows.insert(shipped_rows.end(), rows.begin(), rows.end());
-        }
+        auto rows = usable_rows(*s.store, fp, /*shipped=*/true);
+        shipped_rows.insert(shipped_rows.end(), rows.begin(), rows.end());
       } catch (const std::exception& ex) {
         notes.push_back(std::string("shipped evidence not used: ") + ex.what());
       }

@@ -67,9 +67,9 @@ struct RegionPolicy {
   double margin = 0;                         // runner-up time / winner time - 1
 };
 
-// Eligible: every validated run of the backend in the region passed (and was timed). Ranked by
-// the geometric mean over the region's cases, common to both, of the per-case median device
-// time; two backends are "same" when their ratio is within max(2%, 2 x their largest relative
+// Eligible: every validated run of the backend in the region passed (and one was timed). Ranked
+// by the geometric mean over the region's cases, common to all, of the per-case median device
+// time (the eager call time where no device time could be measured); two backends are "same" when their ratio is within max(2%, 2 x their largest relative
 // noise); ties are ordered by a fixed preference (our kernels, vendor paths, Python packages,
 // then the reference), so noise never flips a ranking.
 std::vector<RegionPolicy> derive_policy(const std::vector<store::Result>& rows);
@@ -111,5 +111,10 @@ class LazyEvidencePolicy final : public PolicySource {
 
 // True when shipped evidence measured under `stored` may serve a process with `current`.
 bool shipped_evidence_applies(const store::Fingerprint& stored, const store::Fingerprint& current);
+
+// Rows of `s` (of `op`, or all) that may serve a process with `current`: those of its own
+// fingerprint and, for shipped evidence, those of every fingerprint the rule above admits.
+std::vector<store::Result> usable_rows(const store::Store& s, const store::Fingerprint& current,
+                                       bool shipped, const std::string& op = "");
 
 }  // namespace kernelgate::harness

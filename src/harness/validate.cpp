@@ -401,14 +401,16 @@ Measured run_case(const Case& k, const std::string& backend, const RunOptions& o
         return m;
       }
     }
-    // Cotangents, seeded like the inputs.
+    // Cotangents, seeded like the inputs, made once on the device in each output's dtype: no
+    // copy or cast of them inside a timed region or a graph capture.
     const std::string qualified = "kernelgate::" + k.op;
     std::vector<Tensor> cot;
     {
       ForcedBackend force(k.op, "reference");
       for (const Tensor& t : call_op(qualified, c, k, in.args)) {
         auto gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(k.seed) + 99991);
-        cot.push_back(at::randn(t.sizes(), gen, at::TensorOptions().dtype(at::kDouble)));
+        cot.push_back(at::randn(t.sizes(), gen, at::TensorOptions().dtype(at::kDouble))
+                          .to(t.device(), t.scalar_type()));
       }
     }
     std::vector<Tensor> ref, got, ora;

@@ -2,6 +2,7 @@
 // (libkernelgate is linked in). Everything here is off the hot path: ops are called through
 // torch.ops.kernelgate.
 #include <torch/csrc/Dtype.h>
+#include <set>
 #include <torch/csrc/utils/pybind.h>
 
 #include "harness/sweep.h"
@@ -192,29 +193,27 @@ std::vector<store::Result> evidence_rows(const std::string& db, const std::vecto
   std::vector<store::Result> rows;
   auto opened = store::Store::open(db, store::Mode::kReadOnly);
   if (opened) {
-    rows = opened.store->results(fp.id(), op);
+    rows = harness::usable_rows(*opened.store, fp, /*shipped=*/false, op);
     notes->append("store " + db + ": " + std::to_string(rows.size()) + " rows for this fingerprint");
   } else {
     notes->append("store not used: " + opened.problem);
   }
-  if (rows.empty()) {
-    for (const auto& path : shipped) {
-      auto s = store::Store::open(path, store::Mode::kReadOnly);
-      if (!s) {
-        notes->append("shipped evidence not used: " + s.problem);
-        continue;
-      }
-      auto report = s.store->stale(fp);
-      std::vector<std::string> ids{report.current_id};
-      for (const auto& st : report.stale) {
-        if (harness::shipped_evidence_applies(st.fingerprint, fp)) ids.push_back(st.id);
-      }
-      for (const auto& id : ids) {
-        auto more = s.store->results(id, op);
-        rows.insert(rows.end(), more.begin(), more.end());
-      }
-      notes->append("shipped evidence " + path + ": " + std::to_string(rows.size()) + " rows apply");
+  // Shipped evidence serves the regions the user's store does not cover, as in the dispatcher.
+  std::set<std::string> covered;
+  for (const auto& r : rows) covered.insert(r.region);
+  for (const auto& path : shipped) {
+    auto s = store::Store::open(path, store::Mode::kReadOnly);
+    if (!s) {
+      notes->append("shipped evidence not used: " + s.problem);
+      continue;
     }
+    size_t used = 0;
+    for (auto& r : harness::usable_rows(*s.store, fp, /*shipped=*/true, op)) {
+      if (covered.count(r.region)) continue;
+      rows.push_back(std::move(r));
+      ++used;
+    }
+    notes->append("shipped evidence " + path + ": " + std::to_string(used) + " rows apply");
   }
   return rows;
 }

@@ -140,6 +140,18 @@ def test_dispatcher_follows_the_evidence(faulty_db):
         kg.evidence.install()
 
 
+def test_shipped_evidence_serves_regions_the_user_store_lacks(faulty_db, tmp_path):
+    db, _ = faulty_db
+    try:
+        _C.use_evidence(str(tmp_path / "empty-user.sqlite"), [db])
+        e = kg.explain("rms_norm", torch.randn(256, 256), torch.randn(256))
+        assert e.backend == "kernelgate_cpu" and "shipped" in e.reason, str(e)
+        regions = _C.policy_regions("rms_norm", str(tmp_path / "empty-user.sqlite"), [db])
+        assert regions["regions"] and any("rows apply" in n for n in regions["notes"])
+    finally:
+        kg.evidence.install()
+
+
 def test_export_import_merge(faulty_db, tmp_path, capsys):
     db, _ = faulty_db
     path = str(tmp_path / "e.json")
