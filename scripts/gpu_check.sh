@@ -45,6 +45,7 @@ grep -E "^rms_norm ->|passed" "$OUT/demo.log"
 
 step benchmarks
 (cd bench && "$PY" bench_rms_norm.py --out "$OUT/rms_norm.json") 2>&1 | tail -12 || status=1
+(cd bench && "$PY" bench_gated.py --out "$OUT/gated.json") 2>&1 | tail -8 || status=1
 (cd bench && "$PY" bench_dispatch.py --lib ../build/gpu/bench/cpp/libkgbench_ops.so \
   --out "$OUT/dispatch.json") 2>&1 | tail -6 || status=1
 if [ -x build/gpu/bench/cpp/dispatch_bench ]; then

@@ -39,6 +39,10 @@ struct CallView {
   std::array<const at::Tensor*, kMaxTensorArgs> tensors{};
   int num_tensors = 0;
   bool grad = false;
+  // Non-tensor arguments that select different code (geglu's approximate): 0 for the schema's
+  // defaults, another value per alternative. Part of the key, so evidence for one never serves
+  // another.
+  uint16_t variant = 0;
 };
 
 // ---- Op contract ---------------------------------------------------------------------------
@@ -72,6 +76,9 @@ struct OpContract {
   // Harness: sizes each named dim may take ([lo, hi]) and LLM production shapes, most
   // representative first.
   std::map<std::string, std::pair<int64_t, int64_t>> dim_ranges;
+  // String arguments that select different code, each with its allowed values, default first:
+  // the value's index is the call's variant (CallView::variant).
+  std::vector<std::pair<std::string, std::vector<std::string>>> variant_args;
   std::vector<std::map<std::string, int64_t>> production_shapes;
 
   // Filled by parse_dims() (Registry::add_op calls it).
@@ -84,6 +91,10 @@ std::string dtype_name(c10::ScalarType t);
 
 // Parses contract.dims into tensor_args/named_dims; throws c10::Error on a malformed spec.
 void parse_dims(OpContract& contract);
+
+// The variant of a call whose string arguments are `strings` (absent: the default). Throws
+// c10::Error naming the argument for a value the contract does not allow.
+uint16_t variant_of(const OpContract& contract, const std::map<std::string, std::string>& strings);
 
 // Sizes of the named dims of one call, in contract.named_dims order.
 struct BoundDims {
@@ -126,7 +137,7 @@ struct DispatchKey {
   std::array<uint8_t, kMaxNamedDims> buckets{};
   AlignClass align = AlignClass::kVec16;
   uint8_t grad = 0;
-  uint16_t pad_ = 0;
+  uint16_t variant = 0;
 
   bool operator==(const DispatchKey& o) const;
   size_t hash() const;

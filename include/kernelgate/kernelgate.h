@@ -20,6 +20,11 @@ namespace kernelgate {
 at::Tensor rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& weight = std::nullopt,
                     double eps = 1e-6);
 
+// silu(gate) * up and gelu(gate, approximate) * up (approximate: "tanh" or "none"), float32
+// math, in gate's dtype; gate and up of one shape.
+at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up);
+at::Tensor geglu(const at::Tensor& gate, const at::Tensor& up, c10::string_view approximate = "tanh");
+
 // A typed rms_norm backend. Forward returns (y, rstd): rstd float32 of x.shape[:-1], and may be
 // undefined when want_rstd is false. Backward returns (dx, dweight): dweight an empty tensor
 // when weight_grad is false or there is no weight.
@@ -36,5 +41,9 @@ void add_rms_norm_backend(Dispatcher& d, BackendDesc desc, RmsNormFwd fwd, RmsNo
 OpContract rms_norm_contract();
 void define_rms_norm(torch::Library& m);
 void register_rms_norm(Dispatcher& d);
+OpContract swiglu_contract();
+OpContract geglu_contract();
+void define_gated(torch::Library& m);
+void register_gated_ops(Dispatcher& d);
 
 }  // namespace kernelgate

@@ -67,7 +67,8 @@ def explain(op: str, *args, **kwargs) -> Explanation:
     grad = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in tensors
     )
-    d = _C.explain(op, tensors, grad)
+    strings = {k: v for k, v in bound.items() if isinstance(v, str)}
+    d = _C.explain(op, tensors, grad, strings)
     return Explanation(
         op=d["op"],
         key=d["key"],

@@ -98,6 +98,22 @@ void parse_dims(OpContract& c) {
               "op ", c.name, ": too many tensor arguments or named dims");
 }
 
+uint16_t variant_of(const OpContract& c, const std::map<std::string, std::string>& strings) {
+  uint16_t variant = 0;
+  for (const auto& [name, values] : c.variant_args) {
+    auto it = strings.find(name);
+    if (it == strings.end()) continue;
+    auto pos = std::find(values.begin(), values.end(), it->second);
+    if (pos == values.end()) {
+      std::string allowed;
+      for (const auto& v : values) allowed += (allowed.empty() ? "'" : ", '") + v + "'";
+      TORCH_CHECK(false, c.name, ": ", name, " must be one of ", allowed, ", got '", it->second, "'");
+    }
+    variant = static_cast<uint16_t>(variant * values.size() + (pos - values.begin()));
+  }
+  return variant;
+}
+
 BoundDims check_call(const OpContract& c, const CallView& call) {
   TORCH_INTERNAL_ASSERT(call.num_tensors == static_cast<int>(c.tensor_args.size()));
   std::array<Binding, kMaxNamedDims> bound{};

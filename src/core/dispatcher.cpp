@@ -206,6 +206,7 @@ DispatchKey Dispatcher::make_key(OpId op, const CallView& call, const BoundDims&
   for (size_t i = 0; i < n; ++i) key.buckets[i] = size_bucket(dims.size[i]);
   key.align = align_class(call);
   key.grad = call.grad ? 1 : 0;
+  key.variant = call.variant;
   return key;
 }
 
@@ -646,6 +647,7 @@ std::string describe_key(const DispatchKey& key) {
   s += " ";
   s += align_class_name(key.align);
   s += key.grad ? " grad" : " nograd";
+  if (key.variant != 0) s += " variant=" + std::to_string(key.variant);
   return s;
 }
 

@@ -21,8 +21,12 @@ void register_builtin_ops(Dispatcher& d) {
   set_cuda_arch_provider(device_arch);
 #endif
   register_rms_norm(d);
+  register_gated_ops(d);
 }
 
-TORCH_LIBRARY(kernelgate, m) { define_rms_norm(m); }
+TORCH_LIBRARY(kernelgate, m) {
+  define_rms_norm(m);
+  define_gated(m);
+}
 
 }  // namespace kernelgate
