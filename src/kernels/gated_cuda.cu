@@ -27,6 +27,7 @@
 #include <type_traits>
 
 #include "kernels/gated.h"
+#include "kernels/vec16.cuh"
 
 namespace kernelgate::kernels {
 namespace gated_detail {
@@ -93,18 +94,8 @@ template <GatedActivation A> struct GatedBwd {
 };
 
 // ---------------------------------------------------------------- element access
-__device__ __forceinline__ float to_float(float v) { return v; }
-__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-template <class T> __device__ __forceinline__ T from_float(float v);
-template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
-template <> __device__ __forceinline__ __half from_float<__half>(float v) {
-  return __float2half_rn(v);
-}
-template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
+using vec::from_float;
+using vec::to_float;
 
 template <class T> constexpr int kVec = 16 / sizeof(T);  // elements per 16-byte vector
 
@@ -124,22 +115,7 @@ __device__ __forceinline__ void unpack(const Raw<T, W>& v, float (&f)[W]) {
   if constexpr (W == 1) {
     f[0] = to_float(v);
   } else {
-    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      if constexpr (sizeof(T) == 4) {
-        f[i] = __uint_as_float(w[i]);
-      } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-        f[2 * i] = __uint_as_float(w[i] << 16);
-        f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-      } else {
-        __half2 h;
-        memcpy(&h, &w[i], 4);
-        const float2 p = __half22float2(h);
-        f[2 * i] = p.x;
-        f[2 * i + 1] = p.y;
-      }
-    }
+    vec::unpack<T>(v, f);
   }
 }
 
@@ -147,20 +123,7 @@ template <class T, int W> __device__ __forceinline__ void store(T* p, const floa
   if constexpr (W == 1) {
     *p = from_float<T>(f[0]);
   } else {
-    uint32_t w[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      if constexpr (sizeof(T) == 4) {
-        w[i] = __float_as_uint(f[i]);
-      } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-        const __nv_bfloat162 h = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
-        memcpy(&w[i], &h, 4);
-      } else {
-        const __half2 h = __floats2half2_rn(f[2 * i], f[2 * i + 1]);
-        memcpy(&w[i], &h, 4);
-      }
-    }
-    *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
+    *reinterpret_cast<uint4*>(p) = vec::pack<T>(f);
   }
 }
 
