@@ -109,6 +109,13 @@ Measured from_outcome(const Outcome& o) {
   return m;
 }
 
+// A fresh worker loads torch and the plugins before it can answer: wait for that with a
+// generous limit, so the per-case timeout measures the case alone.
+Outcome start_worker(WorkerPool& pool) {
+  if (pool.pid() > 0) return Outcome{};
+  return pool.request("ping", std::chrono::minutes(5));
+}
+
 }  // namespace
 
 SweepReport sweep(const SweepOptions& o) {
@@ -167,6 +174,9 @@ SweepReport sweep(const SweepOptions& o) {
     if (!availability[backend].ok) {
       m.disposition = "unsupported";
       m.reason = std::string("not available: ") + availability[backend].reason;
+    } else if (Outcome ready = start_worker(pool); !ready.ok()) {
+      m = from_outcome(ready);
+      m.reason = "worker did not start: " + m.reason;
     } else {
       std::string line = encode_fields({{"backend", backend},
                                         {"time", o.time ? "1" : "0"},

@@ -48,7 +48,7 @@ def run(capsys, *args) -> dict:
 
 
 def sweep_args(db, *extra, seeds=1):
-    return ["--db", db, "--dtype", "float32", "--seeds", str(seeds), "--case-timeout", "2", *extra]
+    return ["--db", db, "--dtype", "float32", "--seeds", str(seeds), "--case-timeout", "3", *extra]
 
 
 @pytest.fixture(scope="module")
