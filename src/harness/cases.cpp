@@ -90,6 +90,12 @@ std::string join_scalars(const std::map<std::string, double>& m) {
   return s;
 }
 
+std::string join_strings(const std::map<std::string, std::string>& m) {
+  std::string s;
+  for (const auto& [k, v] : m) s += (s.empty() ? "" : ",") + k + "=" + v;
+  return s;
+}
+
 template <class T>
 bool parse_pairs(const std::string& s, std::map<std::string, T>* out) {
   std::stringstream ss(s);
@@ -98,7 +104,9 @@ bool parse_pairs(const std::string& s, std::map<std::string, T>* out) {
     size_t eq = item.find('=');
     if (eq == std::string::npos) return false;
     try {
-      if constexpr (std::is_same_v<T, int64_t>) {
+      if constexpr (std::is_same_v<T, std::string>) {
+        (*out)[item.substr(0, eq)] = item.substr(eq + 1);
+      } else if constexpr (std::is_same_v<T, int64_t>) {
         (*out)[item.substr(0, eq)] = std::stoll(item.substr(eq + 1));
       } else {
         (*out)[item.substr(0, eq)] = std::stod(item.substr(eq + 1));
@@ -115,6 +123,7 @@ bool parse_pairs(const std::string& s, std::map<std::string, T>* out) {
 std::string Case::id() const {
   std::string s = op + "/" + join_map(dims) + "/" + dtype + "/" + layout + "/" + regime;
   if (!scalars.empty()) s += "/" + join_scalars(scalars);
+  if (!strings.empty()) s += "/" + join_strings(strings);
   if (!with_optional) s += "/no_optional";
   s += grad ? "/grad" : "/nograd";
   return s;
@@ -127,6 +136,7 @@ std::string Case::encode() const {
                     {"layout", layout},
                     {"regime", regime},
                     {"scalars", join_scalars(scalars)},
+                    {"strings", join_strings(strings)},
                     {"optional", with_optional ? "1" : "0"},
                     {"grad", grad ? "1" : "0"},
                     {"seed", std::to_string(seed)}});
@@ -155,8 +165,9 @@ std::optional<Case> Case::decode(const std::string& text, std::string* problem) 
     *problem = "bad seed '" + kv["seed"] + "'";
     return std::nullopt;
   }
-  if (!parse_pairs(kv["dims"], &c.dims) || !parse_pairs(kv["scalars"], &c.scalars)) {
-    *problem = "bad dims or scalars";
+  if (!parse_pairs(kv["dims"], &c.dims) || !parse_pairs(kv["scalars"], &c.scalars) ||
+      !parse_pairs(kv["strings"], &c.strings)) {
+    *problem = "bad dims, scalars or strings";
     return std::nullopt;
   }
   return c;
@@ -359,6 +370,17 @@ std::vector<Case> make_cases(const std::string& op, Grid grid,
     Case no_opt = k;
     no_opt.with_optional = false;
     emit(no_opt);
+    // Every non-default value of a string argument (a call variant), in both grad modes.
+    for (const auto& [name, values] : c.variant_args) {
+      for (size_t i = 1; i < values.size(); ++i) {
+        for (bool grad : {true, false}) {
+          Case v = k;
+          v.strings[name] = values[i];
+          v.grad = grad;
+          emit(v);
+        }
+      }
+    }
   }
   return out;
 }

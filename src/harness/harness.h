@@ -25,6 +25,7 @@ struct Case {
   std::string layout = "contiguous";  // contiguous, row_strided, offset, transposed, expanded
   std::string regime = "normal";      // normal, large, small, offset, special
   std::map<std::string, double> scalars;
+  std::map<std::string, std::string> strings;  // string arguments (a call variant), default if absent
   bool with_optional = true;  // pass optional tensor arguments (e.g. weight)
   bool grad = true;           // validate gradients and time forward+backward
   int seed = 0;

@@ -202,6 +202,8 @@ std::vector<Tensor> call_op(const std::string& qualified, const OpContract& c, c
       stack.emplace_back(t.defined() ? c10::IValue(t) : c10::IValue());
     } else if (k.scalars.count(arg.name())) {
       stack.emplace_back(k.scalars.at(arg.name()));
+    } else if (k.strings.count(arg.name())) {
+      stack.emplace_back(k.strings.at(arg.name()));
     } else {
       TORCH_CHECK(arg.default_value().has_value(), "case gives no value for ", arg.name());
       stack.push_back(*arg.default_value());
@@ -355,6 +357,7 @@ std::string case_region(const Case& k, int arch) {
     call.tensors[a] = in.args[a].defined() ? &in.args[a] : nullptr;
   }
   call.grad = k.grad;
+  call.variant = variant_of(e->contract, k.strings);
   DispatchKey key = Dispatcher::get().make_key(e->id, call, check_call(e->contract, call));
   key.arch = static_cast<int16_t>(arch);
   return describe_key(key);
@@ -381,6 +384,7 @@ Measured run_case(const Case& k, const std::string& backend, const RunOptions& o
       call.tensors[a] = in.args[a].defined() ? &in.args[a] : nullptr;
     }
     call.grad = k.grad;
+    call.variant = variant_of(c, k.strings);
     BoundDims dims = check_call(c, call);
     DispatchKey key = d.make_key(e->id, call, dims);
     m.region = describe_key(key);

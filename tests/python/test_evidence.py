@@ -211,6 +211,22 @@ def test_concurrent_sweeps_into_one_store(tmp_path):
         assert len(json.load(f)["results"]) == total
 
 
+def test_string_arguments_get_their_own_evidence(tmp_path, capsys):
+    db = str(tmp_path / "geglu.sqlite")
+    run(capsys, "bench", "run", "geglu", "--grid", "smoke", "--time-cap", "0.01", *sweep_args(db))
+    regions = [r["region"] for r in run(capsys, "policy", "show", "geglu", "--db", db)["geglu"]["regions"]]
+    assert any(r.endswith("variant=1") for r in regions)  # approximate="none"
+    assert any("variant" not in r for r in regions)  # the default, "tanh"
+    try:
+        _C.use_evidence(db, [])
+        g, u = torch.randn(256, 256), torch.randn(256, 256)
+        for approximate in ["tanh", "none"]:
+            e = kg.explain("geglu", g, u, approximate)
+            assert "evidence in" in e.reason, (approximate, str(e))
+    finally:
+        kg.evidence.install()
+
+
 def test_db_path_follows_the_environment(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("KERNELGATE_DB", str(tmp_path / "here.sqlite"))
     assert run(capsys, "db", "path") == {"path": str(tmp_path / "here.sqlite")}
