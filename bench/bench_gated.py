@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import kernelgate as kg
-from common import copy_bandwidth_gbps, environment, print_table, time_ms, write_json
+from common import copy_bandwidth_gbps, environment, measure_fwd_bwd, print_table, write_json
 
 
 def eager(op):
@@ -47,8 +47,6 @@ def main() -> int:
     n = args.rows * args.hidden
     es = torch.tensor([], dtype=dtype).element_size()
     fwd_bytes, bwd_bytes = 3 * n * es, 5 * n * es  # fwd: g, u read, out written; bwd: dy, g, u read, dg, du written
-    same_fwd = copy_bandwidth_gbps(fwd_bytes // 2)
-    same_fb = copy_bandwidth_gbps((fwd_bytes + bwd_bytes) // 2)
     records, notes = [], []
     for op in ["swiglu", "geglu"]:
         kg.policy.add_rule(op, ["kernelgate_cuda"], evidence="benchmark: kernelgate_cuda under test")
@@ -63,21 +61,8 @@ def main() -> int:
         dy = torch.randn_like(g)
         assert kg.explain(op, g.detach(), u.detach()).backend == "kernelgate_cuda"
         for name, f in variants.items():
-            with torch.no_grad():
-                fwd = time_ms(lambda: f(g, u))
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            fb = time_ms(lambda: torch.autograd.grad(f(g, u), [g, u], dy))
-            rec = {"op": op, "shape": [args.rows, args.hidden], "dtype": args.dtype, "variant": name,
-                   "fwd_ms": fwd["median_ms"], "fwdbwd_ms": fb["median_ms"],
-                   "fwd_GBps": fwd_bytes / (fwd["median_ms"] * 1e-3) / 1e9,
-                   "fwdbwd_GBps": (fwd_bytes + bwd_bytes) / (fb["median_ms"] * 1e-3) / 1e9,
-                   "fwdbwd_peak_extra_mib": (torch.cuda.max_memory_allocated() - base) / 2**20}
-            rec["fwd_frac_copy_bw"] = rec["fwd_GBps"] / copy_bw
-            rec["fwdbwd_frac_copy_bw"] = rec["fwdbwd_GBps"] / copy_bw
-            rec["fwd_frac_same_bytes_copy"] = rec["fwd_GBps"] / same_fwd
-            rec["fwdbwd_frac_same_bytes_copy"] = rec["fwdbwd_GBps"] / same_fb
-            records.append(rec)
+            records.append({"op": op, "shape": [args.rows, args.hidden], "dtype": args.dtype, "variant": name,
+                            **measure_fwd_bwd(f, (g, u), dy, fwd_bytes, bwd_bytes, copy_bw)})
     payload = {**env, "copy_bw_GBps": copy_bw, "notes": notes,
                "byte_model": "fwd: gate, up read + out written; bwd: dy, gate, up read + dgate, dup written",
                "records": records}

@@ -13,12 +13,7 @@ import sys
 import torch
 
 import kernelgate as kg
-from common import copy_bandwidth_gbps, environment, print_table, time_ms, write_json
-
-
-def same_bytes_copy_gbps(op_bytes: int) -> float:
-    """Copy bandwidth of a copy that reads op_bytes/2 and writes op_bytes/2."""
-    return copy_bandwidth_gbps(max(op_bytes // 2, 1 << 20))
+from common import copy_bandwidth_gbps, environment, measure_fwd_bwd, print_table, write_json
 
 
 def reference(x, w, eps: float = 1e-6):
@@ -49,35 +44,13 @@ def main() -> int:
         es = torch.tensor([], dtype=dtype).element_size()
         fwd_bytes = (2 * n + hidden) * es + 0  # x read, y written, weight read
         bwd_bytes = (3 * n + 2 * hidden) * es + args.rows * 4  # dy, x read; dx written; w, dw; rstd
-        fwd_copy = same_bytes_copy_gbps(fwd_bytes)
-        fb_copy = same_bytes_copy_gbps(fwd_bytes + bwd_bytes)
         x = torch.randn(args.rows, hidden, device="cuda", dtype=dtype, requires_grad=True)
         w = torch.randn(hidden, device="cuda", dtype=dtype, requires_grad=True)
         dy = torch.randn(args.rows, hidden, device="cuda", dtype=dtype)
         for name, f in variants.items():
             assert name != "kernelgate" or kg.explain("rms_norm", x.detach(), w.detach()).backend == "kernelgate_cuda"
-            with torch.no_grad():
-                fwd = time_ms(lambda: f(x, w))
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            fb = time_ms(lambda: torch.autograd.grad(f(x, w), [x, w], dy))
-            peak = torch.cuda.max_memory_allocated() - base
-            rec = {
-                "op": "rms_norm", "shape": [args.rows, hidden], "dtype": args.dtype, "variant": name,
-                "fwd_ms": fwd["median_ms"], "fwd_p10_p90_ms": [fwd["p10_ms"], fwd["p90_ms"]],
-                "fwdbwd_ms": fb["median_ms"], "fwdbwd_p10_p90_ms": [fb["p10_ms"], fb["p90_ms"]],
-                "samples": fwd["samples"],
-                "fwd_bytes": fwd_bytes, "fwdbwd_bytes": fwd_bytes + bwd_bytes,
-                "fwd_GBps": fwd_bytes / (fwd["median_ms"] * 1e-3) / 1e9,
-                "fwdbwd_GBps": (fwd_bytes + bwd_bytes) / (fb["median_ms"] * 1e-3) / 1e9,
-                "same_bytes_copy_GBps": {"fwd": fwd_copy, "fwdbwd": fb_copy},
-                "fwdbwd_peak_extra_mib": peak / 2**20,
-            }
-            rec["fwd_frac_copy_bw"] = rec["fwd_GBps"] / copy_bw
-            rec["fwdbwd_frac_copy_bw"] = rec["fwdbwd_GBps"] / copy_bw
-            rec["fwd_frac_same_bytes_copy"] = rec["fwd_GBps"] / fwd_copy
-            rec["fwdbwd_frac_same_bytes_copy"] = rec["fwdbwd_GBps"] / fb_copy
-            records.append(rec)
+            records.append({"op": "rms_norm", "shape": [args.rows, hidden], "dtype": args.dtype, "variant": name,
+                            **measure_fwd_bwd(f, (x, w), dy, fwd_bytes, bwd_bytes, copy_bw)})
     payload = {**env, "copy_bw_GBps": copy_bw,
                "byte_model": "fwd: x read + y written + weight read; bwd: dy and x read, dx written, "
                              "weight read, dweight written, rstd read; fwdbwd = fwd + bwd",

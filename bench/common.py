@@ -48,6 +48,37 @@ def copy_bandwidth_gbps(nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / (t * 1e-3) / 1e9
 
 
+def same_bytes_copy_gbps(op_bytes: int) -> float:
+    """Bandwidth of a copy moving op_bytes in all (op_bytes/2 read, op_bytes/2 written)."""
+    return copy_bandwidth_gbps(max(op_bytes // 2, 1 << 20))
+
+
+def measure_fwd_bwd(f, inputs, dy, fwd_bytes: int, bwd_bytes: int, copy_bw: float) -> Dict[str, object]:
+    """Times f(*inputs) forward (no grad) and forward+backward (gradients of every input for
+    cotangent dy); returns the record fields: medians and spreads, bytes, GB/s, fractions of
+    copy_bw and of copies moving the same bytes (measured here), peak extra memory."""
+    fb_bytes = fwd_bytes + bwd_bytes
+    fwd_copy, fb_copy = same_bytes_copy_gbps(fwd_bytes), same_bytes_copy_gbps(fb_bytes)
+    with torch.no_grad():
+        fwd = time_ms(lambda: f(*inputs))
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fb = time_ms(lambda: torch.autograd.grad(f(*inputs), list(inputs), dy))
+    peak = torch.cuda.max_memory_allocated() - base
+    fwd_gbps = fwd_bytes / (fwd["median_ms"] * 1e-3) / 1e9
+    fb_gbps = fb_bytes / (fb["median_ms"] * 1e-3) / 1e9
+    return {
+        "fwd_ms": fwd["median_ms"], "fwd_p10_p90_ms": [fwd["p10_ms"], fwd["p90_ms"]],
+        "fwdbwd_ms": fb["median_ms"], "fwdbwd_p10_p90_ms": [fb["p10_ms"], fb["p90_ms"]],
+        "samples": fwd["samples"], "fwd_bytes": fwd_bytes, "fwdbwd_bytes": fb_bytes,
+        "fwd_GBps": fwd_gbps, "fwdbwd_GBps": fb_gbps,
+        "same_bytes_copy_GBps": {"fwd": fwd_copy, "fwdbwd": fb_copy},
+        "fwdbwd_peak_extra_mib": peak / 2**20,
+        "fwd_frac_copy_bw": fwd_gbps / copy_bw, "fwdbwd_frac_copy_bw": fb_gbps / copy_bw,
+        "fwd_frac_same_bytes_copy": fwd_gbps / fwd_copy, "fwdbwd_frac_same_bytes_copy": fb_gbps / fb_copy,
+    }
+
+
 def environment(command: str) -> Dict[str, object]:
     props = torch.cuda.get_device_properties(0)
     try:

@@ -2,7 +2,7 @@
 
 import contextlib
 import dataclasses
-from typing import Dict, Iterable, Iterator, List, Mapping, Optional, Union
+from typing import Dict, Iterable, Iterator, List, Mapping, Union
 
 import torch
 

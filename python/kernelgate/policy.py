@@ -5,7 +5,7 @@ engine fills the policy from measurements, rules are added here (by tests, the d
 has validated a backend), and a call no rule covers runs the reference.
 """
 
-from typing import List, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 

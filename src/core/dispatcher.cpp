@@ -363,7 +363,6 @@ Explanation Dispatcher::explain(OpId op, const CallView& call, const BoundDims& 
       chosen = b;
       reasons[b] = r == 0 ? reason
                           : std::string("first ranked backend that implements this call");
-      if (b == 0 && r == 0) reasons[b] = reason;
     } else {
       reasons[b] = "ranked #" + std::to_string(r + 1) + ", below " + e.backends[chosen].name;
     }

@@ -188,6 +188,18 @@ std::pair<Inputs, Inputs> make_inputs(const OpContract& c, const Case& k, at::De
   return {in, oracle};
 }
 
+// What the router sees of the case's call (pointers into `in`, which must outlive it).
+CallView call_view(const OpContract& c, const Case& k, const Inputs& in) {
+  CallView call;
+  call.num_tensors = static_cast<int>(in.args.size());
+  for (size_t a = 0; a < in.args.size(); ++a) {
+    call.tensors[a] = in.args[a].defined() ? &in.args[a] : nullptr;
+  }
+  call.grad = k.grad;
+  call.variant = variant_of(c, k.strings);
+  return call;
+}
+
 // ---- running the op --------------------------------------------------------------------------
 
 std::vector<Tensor> call_op(const std::string& qualified, const OpContract& c, const Case& k,
@@ -351,13 +363,7 @@ std::string case_region(const Case& k, int arch) {
   if (e == nullptr) return "";
   // Meta tensors with the case's layout: the key needs shapes, strides and alignment only.
   Inputs in = make_inputs(e->contract, k, at::Device(at::kMeta), parse_dtype(k.dtype), false).first;
-  CallView call;
-  call.num_tensors = static_cast<int>(in.args.size());
-  for (size_t a = 0; a < in.args.size(); ++a) {
-    call.tensors[a] = in.args[a].defined() ? &in.args[a] : nullptr;
-  }
-  call.grad = k.grad;
-  call.variant = variant_of(e->contract, k.strings);
+  CallView call = call_view(e->contract, k, in);
   DispatchKey key = Dispatcher::get().make_key(e->id, call, check_call(e->contract, call));
   key.arch = static_cast<int16_t>(arch);
   return describe_key(key);
@@ -378,13 +384,7 @@ Measured run_case(const Case& k, const std::string& backend, const RunOptions& o
     auto [in, oracle_in] = make_inputs(c, k, device, dtype);
 
     // Which region the call falls in, and whether the backend serves it when forced.
-    CallView call;
-    call.num_tensors = static_cast<int>(in.args.size());
-    for (size_t a = 0; a < in.args.size(); ++a) {
-      call.tensors[a] = in.args[a].defined() ? &in.args[a] : nullptr;
-    }
-    call.grad = k.grad;
-    call.variant = variant_of(c, k.strings);
+    CallView call = call_view(c, k, in);
     BoundDims dims = check_call(c, call);
     DispatchKey key = d.make_key(e->id, call, dims);
     m.region = describe_key(key);

@@ -5,7 +5,6 @@ doctor, and the dispatcher following the evidence."""
 import glob
 import json
 import os
-import shutil
 import subprocess
 import sys
 
@@ -204,8 +203,6 @@ def test_concurrent_sweeps_into_one_store(tmp_path):
     reports = [json.loads(p.communicate(timeout=300)[0])["rms_norm"] for p in procs]
     assert all(p.returncode == 0 for p in procs)
     total = sum(sum(r["dispositions"].values()) for r in reports)
-    with open(tmp_path / "x.json", "w"):
-        pass
     assert cli.main(["db", "export", str(tmp_path / "x.json"), "--db", db]) == 0
     with open(tmp_path / "x.json") as f:
         assert len(json.load(f)["results"]) == total
