@@ -13,15 +13,27 @@ export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-16}
 export LD_LIBRARY_PATH="$PREFIX/lib:${LD_LIBRARY_PATH:-}"
 export PYTHONUNBUFFERED=1
 [ -d /usr/local/cuda/bin ] && export PATH="/usr/local/cuda/bin:$PATH"
+# The system compiler: a toolchain that links libstdc++ statically into our libraries (as the H200
+# machine's /opt/gcc wrapper does) mixes two libstdc++ copies in one process, and iostreams crash.
+COMPILERS=()
+if [ -x /usr/bin/g++ ]; then
+  COMPILERS=(-C cmake.define.CMAKE_C_COMPILER=/usr/bin/gcc -C cmake.define.CMAKE_CXX_COMPILER=/usr/bin/g++
+             -C cmake.define.CMAKE_CUDA_HOST_COMPILER=/usr/bin/g++)
+fi
 status=0
 
 step() { echo "== $1"; }
 
 step build
+# Python packages the benchmarks compare against (e.g. Liger-Kernel), carried as wheels: the GPU
+# machine has no network.
+if ls .carry/wheels/*.whl >/dev/null 2>&1; then
+  "$PY" -m pip install -q --no-deps --no-index .carry/wheels/*.whl >"$OUT/wheels.log" 2>&1 || tail -5 "$OUT/wheels.log"
+fi
 "$PY" -c 'import sysconfig, os, torch; inc = sysconfig.get_paths()["include"]; print("python", sysconfig.get_python_version(), "headers", inc, os.path.exists(os.path.join(inc, "Python.h")), "torch", torch.__version__)'
 start=$(date +%s)
 if ! "$PY" -m pip install --no-build-isolation --no-deps --no-index -v \
-    -C build-dir=build/gpu -C cmake.define.KERNELGATE_BUILD_TESTS=ON \
+    -C build-dir=build/h200 "${COMPILERS[@]}" -C cmake.define.KERNELGATE_BUILD_TESTS=ON \
     -C cmake.define.CMAKE_PREFIX_PATH="$PREFIX" -C cmake.define.GTEST_ROOT="$PREFIX" . \
     >"$OUT/build.log" 2>&1; then
   tail -40 "$OUT/build.log"
@@ -31,7 +43,7 @@ fi
 echo "build: $(( $(date +%s) - start )) s; $(grep -o 'CUDA kernels [A-Z]*' "$OUT/build.log" | head -1)"
 
 step "C++ tests"
-ctest --test-dir build/gpu --output-on-failure >"$OUT/ctest.log" 2>&1 || status=1
+ctest --test-dir build/h200 --output-on-failure >"$OUT/ctest.log" 2>&1 || status=1
 tail -3 "$OUT/ctest.log"
 
 step "GPU tests"
@@ -46,10 +58,10 @@ grep -E "^rms_norm ->|passed" "$OUT/demo.log"
 step benchmarks
 (cd bench && "$PY" bench_rms_norm.py --out "$OUT/rms_norm.json") 2>&1 | tail -12 || status=1
 (cd bench && "$PY" bench_gated.py --out "$OUT/gated.json") 2>&1 | tail -8 || status=1
-(cd bench && "$PY" bench_dispatch.py --lib ../build/gpu/bench/cpp/libkgbench_ops.so \
+(cd bench && "$PY" bench_dispatch.py --lib ../build/h200/bench/cpp/libkgbench_ops.so \
   --out "$OUT/dispatch.json") 2>&1 | tail -6 || status=1
-if [ -x build/gpu/bench/cpp/dispatch_bench ]; then
-  build/gpu/bench/cpp/dispatch_bench --benchmark_min_time=0.5 --benchmark_out="$OUT/dispatch_cpp.json" \
+if [ -x build/h200/bench/cpp/dispatch_bench ]; then
+  build/h200/bench/cpp/dispatch_bench --benchmark_min_time=0.5 --benchmark_out="$OUT/dispatch_cpp.json" \
     --benchmark_out_format=json 2>&1 | tail -5
 fi
 exit $status

@@ -2,7 +2,7 @@
 #include <algorithm>
 #include <cmath>
 #include <set>
-#include <sstream>
+#include <cstdio>
 
 #include "harness/harness.h"
 #include "kernelgate/dispatch.h"
@@ -71,11 +71,12 @@ bool decode_fields(const std::string& text, std::map<std::string, std::string>* 
 
 namespace {
 
+// Round-trip text of a double. snprintf, not an ostream: on a machine where a library loaded
+// earlier exports its own copy of libstdc++'s stream internals, ostream << double crashed.
 std::string num(double v) {
-  std::ostringstream os;
-  os.precision(17);
-  os << v;
-  return os.str();
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.17g", v);
+  return buf;
 }
 
 std::string join_map(const std::map<std::string, int64_t>& m) {

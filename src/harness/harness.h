@@ -78,4 +78,10 @@ std::string case_region(const Case& c, int arch);
 // first) and, if it passed and options.time, times it. Never throws: failures are dispositions.
 Measured run_case(const Case& c, const std::string& backend, const RunOptions& options);
 
+// Worker set-up: a stream of the worker's own becomes current on the GPU.
+void prepare_worker_device();
+// True once a run may have left the device in a state later runs should not inherit (an
+// interrupted graph capture): the worker answers and exits, and the sweep starts a fresh one.
+bool device_state_suspect();
+
 }  // namespace kernelgate::harness

@@ -26,6 +26,9 @@
 #ifndef KERNELGATE_SOURCE_HASH
 #define KERNELGATE_SOURCE_HASH "unknown"
 #endif
+#ifndef KERNELGATE_OP_SOURCE_HASHES
+#define KERNELGATE_OP_SOURCE_HASHES ""
+#endif
 #ifndef KERNELGATE_TORCH_VERSION
 #define KERNELGATE_TORCH_VERSION "unknown"
 #endif
@@ -51,11 +54,29 @@ void load_backend_plugin(const std::string& path) {
   loaded.insert(path);
 }
 
-store::Fingerprint current_fingerprint() {
+std::string op_source_hash(const std::string& op) {
+  const OpEntry* e = op.empty() ? nullptr : Dispatcher::get().find_op(op);
+  if (e == nullptr) return KERNELGATE_SOURCE_HASH;
+  const std::string stem = e->contract.source_stem.empty() ? op : e->contract.source_stem;
+  // "stem=hash," per op family, from CMakeLists.txt.
+  const std::string table = KERNELGATE_OP_SOURCE_HASHES;
+  const std::string needle = stem + "=";
+  for (size_t at = 0; at < table.size();) {
+    size_t end = table.find(',', at);
+    if (end == std::string::npos) end = table.size();
+    if (table.compare(at, needle.size(), needle) == 0) {
+      return table.substr(at + needle.size(), end - at - needle.size());
+    }
+    at = end + 1;
+  }
+  return KERNELGATE_SOURCE_HASH;  // an op outside the table: the whole build's hash
+}
+
+store::Fingerprint current_fingerprint(const std::string& op) {
   store::Fingerprint f;
   f.torch_version = KERNELGATE_TORCH_VERSION;
   f.kernelgate_version = KERNELGATE_VERSION;
-  f.source_hash = KERNELGATE_SOURCE_HASH;
+  f.source_hash = op_source_hash(op);
   f.gpu_name = "cpu";
   f.compute_capability = "cpu";
   f.cuda_runtime = KERNELGATE_TORCH_CUDA;
@@ -141,7 +162,7 @@ SweepReport sweep(const SweepOptions& o) {
   auto opened = store::Store::open(o.db_path, store::Mode::kReadWrite);
   if (!opened) throw std::runtime_error(opened.problem);
   store::Store& db = *opened.store;
-  const store::Fingerprint fp = current_fingerprint();
+  const store::Fingerprint fp = current_fingerprint(o.op);
   const std::string fp_id = fp.id();
   int64_t run_id = db.begin_run(fp, o.command);
 
@@ -364,8 +385,16 @@ bool shipped_evidence_applies(const store::Fingerprint& stored, const store::Fin
   return a.id() == b.id();
 }
 
-std::vector<store::Result> usable_rows(const store::Store& s, const store::Fingerprint& current,
-                                       bool shipped, const std::string& op) {
+std::vector<store::Result> usable_rows(const store::Store& s, bool shipped, const std::string& op) {
+  if (op.empty()) {
+    std::vector<store::Result> rows;
+    for (const auto& name : Dispatcher::get().op_names()) {
+      auto more = usable_rows(s, shipped, name);
+      rows.insert(rows.end(), more.begin(), more.end());
+    }
+    return rows;
+  }
+  const store::Fingerprint current = current_fingerprint(op);
   std::vector<std::string> ids{current.id()};
   if (shipped) {
     for (const auto& st : s.stale(current).stale) {
@@ -385,12 +414,11 @@ LazyEvidencePolicy::LazyEvidencePolicy(std::string user_db, std::vector<std::str
 
 void LazyEvidencePolicy::load() const {
   std::call_once(once_, [this] {
-    const store::Fingerprint fp = current_fingerprint();
     std::vector<std::string> notes;
     auto opened = store::Store::open(user_db_, store::Mode::kReadOnly);
     if (opened) {
       try {
-        auto rows = usable_rows(*opened.store, fp, /*shipped=*/false);
+        auto rows = usable_rows(*opened.store, /*shipped=*/false);
         user_ = std::make_unique<EvidencePolicy>(derive_policy(rows), "evidence in " + user_db_);
         notes.push_back(user_->describe());
       } catch (const std::exception& ex) {
@@ -407,7 +435,7 @@ void LazyEvidencePolicy::load() const {
         continue;
       }
       try {
-        auto rows = usable_rows(*s.store, fp, /*shipped=*/true);
+        auto rows = usable_rows(*s.store, /*shipped=*/true);
         shipped_rows.insert(shipped_rows.end(), rows.begin(), rows.end());
       } catch (const std::exception& ex) {
         notes.push_back(std::string("shipped evidence not used: ") + ex.what());

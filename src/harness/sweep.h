@@ -17,8 +17,13 @@ namespace kernelgate::harness {
 // Loading the same path twice registers once. Throws std::runtime_error naming the problem.
 void load_backend_plugin(const std::string& path);
 
-// The fingerprint of this process's device and software (CUDA device 0 when present, else CPU).
-store::Fingerprint current_fingerprint();
+// The source hash of `op`'s evidence: its own files and the shared ones (CMakeLists.txt says
+// which); the whole build's hash for "" or an op outside that table.
+std::string op_source_hash(const std::string& op);
+
+// The fingerprint of this process's device and software (CUDA device 0 when present, else CPU)
+// for evidence of `op` (source hash: op_source_hash(op)).
+store::Fingerprint current_fingerprint(const std::string& op = "");
 
 struct SweepOptions {
   std::string op;
@@ -112,9 +117,9 @@ class LazyEvidencePolicy final : public PolicySource {
 // True when shipped evidence measured under `stored` may serve a process with `current`.
 bool shipped_evidence_applies(const store::Fingerprint& stored, const store::Fingerprint& current);
 
-// Rows of `s` (of `op`, or all) that may serve a process with `current`: those of its own
-// fingerprint and, for shipped evidence, those of every fingerprint the rule above admits.
-std::vector<store::Result> usable_rows(const store::Store& s, const store::Fingerprint& current,
-                                       bool shipped, const std::string& op = "");
+// Rows of `s` (of `op`, or of every registered op) that may serve this process: those of the
+// op's current fingerprint and, for shipped evidence, those of every fingerprint the rule above
+// admits.
+std::vector<store::Result> usable_rows(const store::Store& s, bool shipped, const std::string& op = "");
 
 }  // namespace kernelgate::harness

@@ -283,6 +283,21 @@ struct ForcedBackend {
 
 // ---- timing ----------------------------------------------------------------------------------
 
+bool g_device_state_suspect = false;
+
+#ifdef KERNELGATE_WITH_CUDA
+// Ends a capture that an exception interrupted, so the stream is usable again.
+void abort_capture(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &status) == cudaSuccess && status != cudaStreamCaptureStatusNone) {
+    cudaGraph_t partial = nullptr;
+    cudaStreamEndCapture(stream, &partial);
+    if (partial != nullptr) cudaGraphDestroy(partial);
+  }
+  (void)cudaGetLastError();
+}
+#endif
+
 SamplingPolicy sampling(const RunOptions& o) {
   SamplingPolicy p;
   p.target_rel_noise = o.target_rel_noise;
@@ -309,25 +324,27 @@ void time_run(const std::function<void()>& fn, at::Device device, const RunOptio
       return static_cast<double>(start.elapsed_time(stop)) * 1000.0;
     };
     while (!eager.done()) eager.add(timed(fn));
+    // Captured on the worker's own stream (prepare_worker_device): the inputs, the autograd
+    // nodes and the capture share one non-default stream, so nothing in the capture waits on
+    // the legacy default stream. Relaxed mode: a backend's benign queries (occupancy,
+    // attributes) are not capture errors.
+    auto stream = at::cuda::getCurrentCUDAStream(device.index());
     try {
       at::cuda::CUDAGraph graph;
-      auto side = at::cuda::getStreamFromPool(false, device.index());
-      at::cuda::CUDAEvent ready;
-      ready.record(at::cuda::getCurrentCUDAStream(device.index()));
-      ready.block(side);  // capture on a side stream, after the inputs are ready
-      {
-        at::cuda::CUDAStreamGuard g(side);
-        for (int i = 0; i < 2; ++i) fn();
-        graph.capture_begin();
+      graph.capture_begin({0, 0}, cudaStreamCaptureModeRelaxed);
+      try {
         fn();
         graph.capture_end();
+      } catch (...) {
+        abort_capture(stream);
+        throw;
       }
-      at::cuda::getCurrentCUDAStream(device.index()).synchronize();
-      side.synchronize();
+      stream.synchronize();
       while (!dev.done()) dev.add(timed([&] { graph.replay(); }));
     } catch (const c10::Error& e) {
       m->reason = std::string("device time not measured: graph capture failed: ") +
                   e.what_without_backtrace();
+      g_device_state_suspect = true;  // the worker answers, then exits: the next case gets a fresh one
     }
     ClockReading after = read_clocks(device.index());
     m->clocks_after = after.text;
@@ -357,6 +374,16 @@ void time_run(const std::function<void()>& fn, at::Device device, const RunOptio
 }
 
 }  // namespace
+
+bool device_state_suspect() { return g_device_state_suspect; }
+
+void prepare_worker_device() {
+#ifdef KERNELGATE_WITH_CUDA
+  // A stream of the worker's own, current for all its work: CUDA-graph capture needs a
+  // non-default stream, and inputs made on it keep autograd off the legacy default stream.
+  if (at::cuda::is_available()) at::cuda::setCurrentCUDAStream(at::cuda::getStreamFromPool(false, 0));
+#endif
+}
 
 std::string case_region(const Case& k, int arch) {
   const OpEntry* e = Dispatcher::get().find_op(k.op);

@@ -59,6 +59,7 @@ int main(int argc, char** argv) {
   static PoisonAllocator poison(c10::GetDefaultCPUAllocator());
   c10::SetCPUAllocator(&poison, /*priority=*/100);
   Dispatcher::get().set_log_hook([](LogLevel, const std::string&, const std::string&) {});
+  harness::prepare_worker_device();
 
   // Responses go to the original stdout; anything a library prints goes to stderr, so it can
   // never corrupt the protocol.
@@ -90,6 +91,7 @@ int main(int argc, char** argv) {
     }
     std::fprintf(responses, "%s\n", m.encode().c_str());
     std::fflush(responses);
+    if (harness::device_state_suspect()) return 0;
   }
   return 0;
 }

@@ -224,6 +224,7 @@ Tensor geglu_autograd(c10::DispatchKeySet ks, const Tensor& gate, const Tensor& 
 OpContract gated_contract(const char* name, const char* schema) {
   OpContract c;
   c.name = name;
+  c.source_stem = "gated";
   c.schema = schema;
   c.dims = "gate: [*rows, hidden]; up: [*rows, hidden]";
   c.dtypes = {at::kFloat, at::kHalf, at::kBFloat16};

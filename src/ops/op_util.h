@@ -3,6 +3,9 @@
 #pragma once
 #include <ATen/ATen.h>
 
+#include <cstdio>
+#include <string>
+
 #include "kernelgate/dispatch.h"
 #include "kernels/dtype.h"
 
@@ -13,6 +16,15 @@
 #endif
 
 namespace kernelgate {
+
+// A double in an error message. snprintf, not an ostream: in a process where a library loaded
+// earlier exports its own copy of libstdc++'s stream internals (as on our H200 machine),
+// formatting a double through an ostream crashed.
+inline std::string number(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.6g", v);
+  return buf;
+}
 
 // A tensor seen as [rows, size(-1)] with a unit-stride last dim and one row stride. When the
 // leading dims cannot be folded into one stride, `data` is a contiguous copy.

@@ -220,7 +220,7 @@ void check_scalars(const Tensor& x, double eps) {
   TORCH_CHECK(x.size(-1) > 0, "rms_norm: x.size(-1) (hidden) must be at least 1, got 0 (shape ",
               x.sizes(), ")");
   TORCH_CHECK(std::isfinite(eps) && eps >= 0, "rms_norm: eps must be a finite number >= 0, got ",
-              eps);
+              number(eps));
 }
 
 int route(const Tensor& x, const OptTensor& w, double eps, bool grad) {

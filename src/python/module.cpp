@@ -190,11 +190,10 @@ py::dict run_sweep(const std::string& op, const std::vector<std::string>& backen
 
 std::vector<store::Result> evidence_rows(const std::string& db, const std::vector<std::string>& shipped,
                                          const std::string& op, py::list* notes) {
-  const store::Fingerprint fp = harness::current_fingerprint();
   std::vector<store::Result> rows;
   auto opened = store::Store::open(db, store::Mode::kReadOnly);
   if (opened) {
-    rows = harness::usable_rows(*opened.store, fp, /*shipped=*/false, op);
+    rows = harness::usable_rows(*opened.store, /*shipped=*/false, op);
     notes->append("store " + db + ": " + std::to_string(rows.size()) + " rows for this fingerprint");
   } else {
     notes->append("store not used: " + opened.problem);
@@ -209,7 +208,7 @@ std::vector<store::Result> evidence_rows(const std::string& db, const std::vecto
       continue;
     }
     size_t used = 0;
-    for (auto& r : harness::usable_rows(*s.store, fp, /*shipped=*/true, op)) {
+    for (auto& r : harness::usable_rows(*s.store, /*shipped=*/true, op)) {
       if (covered.count(r.region)) continue;
       rows.push_back(std::move(r));
       ++used;
@@ -262,17 +261,33 @@ store::Store& must_open(std::optional<store::OpenResult>& holder, const std::str
 py::dict store_status(const std::string& db) {
   py::dict d;
   d["path"] = db;
-  const store::Fingerprint fp = harness::current_fingerprint();
-  d["fingerprint"] = fingerprint_dict(fp);
+  d["fingerprint"] = fingerprint_dict(harness::current_fingerprint());
   auto opened = store::Store::open(db, store::Mode::kReadOnly);
   d["usable"] = static_cast<bool>(opened);
   d["problem"] = opened.problem;
   if (!opened) return d;
-  auto report = opened.store->stale(fp);
+  // Each op's evidence has its own fingerprint (its source hash): a stored fingerprint is stale
+  // when it is current for no op, and is explained against the op it differs from least.
+  int64_t current_results = 0;
+  std::map<std::string, store::StaleFingerprint> stale_for_all;
+  std::map<std::string, int> stale_count;
+  const auto ops = Dispatcher::get().op_names();
+  for (const auto& op : ops) {
+    auto report = opened.store->stale(harness::current_fingerprint(op));
+    current_results += report.current_results;
+    for (const auto& s : report.stale) {
+      stale_count[s.id]++;
+      auto it = stale_for_all.find(s.id);
+      if (it == stale_for_all.end() || s.differences.size() < it->second.differences.size()) {
+        stale_for_all[s.id] = s;
+      }
+    }
+  }
   d["schema_version"] = opened.store->schema_version();
-  d["current_results"] = report.current_results;
+  d["current_results"] = current_results;
   py::list stale;
-  for (const auto& s : report.stale) {
+  for (const auto& [id, s] : stale_for_all) {
+    if (stale_count[id] != static_cast<int>(ops.size())) continue;  // current for some op
     py::dict e;
     e["id"] = s.id;
     e["gpu_name"] = s.fingerprint.gpu_name;
@@ -337,7 +352,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("clear_policy", [] { Dispatcher::get().clear_policy(); });
   m.def("describe_policy", [] { return Dispatcher::get().describe_policy(); });
   m.def("cuda_arch", &cuda_arch);
-  m.def("fingerprint", [] { return fingerprint_dict(harness::current_fingerprint()); });
+  m.def("fingerprint", [](const std::string& op) { return fingerprint_dict(harness::current_fingerprint(op)); },
+        py::arg("op") = "");
   m.def("default_db_path", &store::Store::default_path);
   m.def("sweep", &run_sweep);
   m.def("load_plugin", [](const std::string& path) { harness::load_backend_plugin(path); });
