@@ -264,8 +264,9 @@ class LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
     auto s = ctx->get_saved_variables();
     const bool has_w = ctx->saved_data["has_weight"].toBool();
     const bool has_b = ctx->saved_data["has_bias"].toBool();
+    // needs_input_grad counts edges, which only present tensors have.
     const bool need_dw = has_w && ctx->needs_input_grad(1);
-    const bool need_db = has_b && ctx->needs_input_grad(2);
+    const bool need_db = has_b && ctx->needs_input_grad(has_w ? 2 : 1);
     OptTensor w = has_w ? OptTensor(s[1]) : std::nullopt;
     OptTensor b = has_b ? OptTensor(s[2]) : std::nullopt;
     auto [dx, dw, db] = bwd_handle().call(grads[0], s[0], w, b, s[3], s[4], need_dw, need_db);
