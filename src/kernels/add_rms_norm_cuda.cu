@@ -141,11 +141,14 @@ template <class T, int W> __global__ void __launch_bounds__(kGeneralMaxThreads)
 }
 
 // ---------------------------------------------------------------- backward
-// dw_partial (null when dweight is not wanted) receives row slot (blockIdx.x * blockDim.y +
-// threadIdx.y) of [gridDim.x * blockDim.y, hidden]. VPT <= 4 keeps the sums in registers;
-// VPT == 8 is launched with one row per block and keeps them in dynamic shared memory (hidden
-// floats, each thread owning its columns), which leaves registers for the row.
-template <class T, int VPT> __global__ void __launch_bounds__(kBwdMaxThreads)
+// dw_partial (null when dweight is not wanted) receives row blockIdx.x of [gridDim.x, hidden].
+// VPT <= 4 keeps the sums in registers and adds the block's row slots together through dynamic
+// shared memory ((rows per block / 2) * hidden floats) at the end; VPT == 8 is launched with one
+// row per block and keeps them in dynamic shared memory (hidden floats, each thread owning its
+// columns), which leaves registers for the row.
+// Two blocks per SM at least when the row takes 4 vectors or fewer (x, dy and the sums fit in
+// 128 registers without spilling).
+template <class T, int VPT> __global__ void __launch_bounds__(kBwdMaxThreads, VPT >= 8 ? 1 : 2)
     add_rms_norm_bwd_row_in_registers(T* __restrict__ dx, float* __restrict__ dw_partial,
                                       const T* __restrict__ dy, const T* __restrict__ dh,
                                       const T* __restrict__ h, const T* __restrict__ weight,
@@ -231,8 +234,8 @@ template <class T, int VPT> __global__ void __launch_bounds__(kBwdMaxThreads)
         for (int i = 0; i < kN; ++i) acc[k][i] += dw[i];  // zero for lanes out of the row
     }
   }
-  if (dw_partial == nullptr) return;
-  float* out = dw_partial + (int64_t(blockIdx.x) * blockDim.y + threadIdx.y) * nvec * kN;
+  if (dw_partial == nullptr) return;  // uniform over the block
+  float* out = dw_partial + int64_t(blockIdx.x) * nvec * kN;
   if constexpr (kSumsInSmem) {
     for (int j = threadIdx.x; j < nvec; j += blockDim.x) {
       float a[kN];
@@ -241,6 +244,8 @@ template <class T, int VPT> __global__ void __launch_bounds__(kBwdMaxThreads)
       store_sums<kN>(out + j * kN, a);
     }
   } else {
+    combine_row_slots<kRegVecs, kN>(acc, sums, nvec);
+    if (threadIdx.y != 0) return;
 #pragma unroll
     for (int k = 0; k < kRegVecs; ++k) {
       const int j = threadIdx.x + k * blockDim.x;
@@ -357,13 +362,14 @@ inline BwdPlan bwd_plan(const AddRmsNormProblem& p, bool vectorized, int sm_coun
                         : Layout{};
   if (l.vpt >= 8) {  // sums in shared memory hold one row: one row per block
     l.rpb = 1;
-    plan.smem = size_t(p.hidden) * sizeof(float);
-    if (l.tpr < 32 || plan.smem > smem_limit()) {
-      l = {};
-      plan.smem = 0;
-    }
+    if (l.tpr < 32) l = {};
   }
-  if (l.vpt == 0) l = general_layout(p.hidden, vectorized ? n : 1, kGeneralMaxThreads, 256);
+  const size_t row_bytes = size_t(p.hidden) * sizeof(float);
+  plan.smem = l.vpt >= 8 ? row_bytes : size_t(l.rpb / 2) * row_bytes;
+  if (l.vpt == 0 || plan.smem > smem_limit()) {
+    l = general_layout(p.hidden, vectorized ? n : 1, kGeneralMaxThreads, 256);
+    plan.smem = 0;
+  }
   plan.layout = l;
   const void* kernel = nullptr;
   dispatch_dtype(p.dtype, [&](auto tag) {
@@ -374,9 +380,11 @@ inline BwdPlan bwd_plan(const AddRmsNormProblem& p, bool vectorized, int sm_coun
   const int max_per_sm = l.vpt != 0 ? kBwdThreadsPerSm / threads : 2048 / threads;
   plan.blocks = persistent_blocks(kernel, threads, plan.smem, sm_count, max_per_sm,
                                   ceil_div(p.rows, l.rpb));
+  // Partial rows per block: one on the register path (row slots combined), one per slot else.
+  const int64_t slots = l.vpt != 0 ? 1 : l.rpb;
   const int64_t cap = l.vpt != 0 ? kMaxWorkspaceFloats : kL2SumsFloats;
-  plan.blocks = std::max<int64_t>(1, std::min(plan.blocks, cap / (int64_t(l.rpb) * p.hidden)));
-  plan.partial_rows = plan.blocks * l.rpb;
+  plan.blocks = std::max<int64_t>(1, std::min(plan.blocks, cap / (slots * p.hidden)));
+  plan.partial_rows = plan.blocks * slots;
   return plan;
 }
 

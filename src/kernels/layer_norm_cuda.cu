@@ -157,11 +157,14 @@ template <class T, int W> __global__ void __launch_bounds__(kGeneralMaxThreads)
 }
 
 // ---------------------------------------------------------------- backward
-// dw_partial / db_partial (null when not wanted) receive row slot (blockIdx.x * blockDim.y +
-// threadIdx.y) of their [gridDim.x * blockDim.y, hidden] arrays. VPT <= 4 keeps the sums in
-// registers; VPT == 8 is launched with one row per block and keeps them in dynamic shared memory
-// (2 * hidden floats, each thread owning its columns), which leaves registers for the row.
-template <class T, int VPT> __global__ void __launch_bounds__(kBwdMaxThreads)
+// dw_partial / db_partial (null when not wanted) receive row blockIdx.x of their
+// [gridDim.x, hidden] arrays. VPT <= 4 keeps the sums in registers and adds the block's row slots
+// together through dynamic shared memory ((rows per block / 2) * hidden floats, one array at a
+// time) at the end; VPT == 8 is launched with one row per block and keeps them in dynamic shared
+// memory (2 * hidden floats, each thread owning its columns), which leaves registers for the row.
+// Two blocks per SM at least when the row takes 4 vectors or fewer (x, dy and the sums fit in
+// 128 registers without spilling).
+template <class T, int VPT> __global__ void __launch_bounds__(kBwdMaxThreads, VPT >= 8 ? 1 : 2)
     layer_norm_bwd_row_in_registers(T* __restrict__ dx, float* __restrict__ dw_partial,
                                     float* __restrict__ db_partial, const T* __restrict__ dy,
                                     const T* __restrict__ x, const T* __restrict__ weight,
@@ -256,7 +259,13 @@ template <class T, int VPT> __global__ void __launch_bounds__(kBwdMaxThreads)
         for (int i = 0; i < kN; ++i) accw[k][i] += dw[i], accb[k][i] += gf[i];  // dy = 0 off row
     }
   }
-  const int64_t slot_off = (int64_t(blockIdx.x) * blockDim.y + threadIdx.y) * hidden;
+  if (!want_sums) return;  // uniform over the block
+  if constexpr (!kSumsInSmem) {
+    combine_row_slots<kRegVecs, kN>(accw, wsums, nvec);
+    combine_row_slots<kRegVecs, kN>(accb, wsums, nvec);
+    if (threadIdx.y != 0) return;
+  }
+  const int64_t slot_off = int64_t(blockIdx.x) * hidden;
   for (int which = 0; which < 2; ++which) {
     float* out = which == 0 ? dw_partial : db_partial;
     if (out == nullptr) continue;
@@ -351,6 +360,9 @@ template <class T, int W> __global__ void __launch_bounds__(kGeneralMaxThreads)
 // As rms_norm's (measured on H200, bf16): 4 vectors per thread, at least 128 threads per block,
 // at most 512 threads per row forward and 256 backward, about 512 backward threads per SM.
 constexpr int kPrefVpt = 4, kMinBlock = 128, kBwdThreadsPerSm = 512;
+// Backward blocks of at least 256 threads (two rows at hidden 4096 bf16, combined in the block):
+// half the partial rows of one-row blocks, which matters with two sums arrays (not measured yet).
+constexpr int kBwdMinBlock = 256;
 
 inline Layout fwd_layout(const LayerNormProblem& p, bool aligned) {
   const int n = vec_elems(p.dtype);
@@ -384,17 +396,18 @@ template <class T> const void* bwd_kernel(const Layout& l) {
 inline BwdPlan bwd_plan(const LayerNormProblem& p, bool vectorized, int sm_count) {
   BwdPlan plan;
   const int n = vec_elems(p.dtype);
-  Layout l = vectorized ? registers_layout(p.hidden / n, kPrefVpt, 8, kBwdMaxThreads, kMinBlock)
+  Layout l = vectorized ? registers_layout(p.hidden / n, kPrefVpt, 8, kBwdMaxThreads, kBwdMinBlock)
                         : Layout{};
   if (l.vpt >= 8) {  // sums in shared memory hold one row: one row per block
     l.rpb = 1;
-    plan.smem = 2 * size_t(p.hidden) * sizeof(float);
-    if (l.tpr < 32 || plan.smem > smem_limit()) {
-      l = {};
-      plan.smem = 0;
-    }
+    if (l.tpr < 32) l = {};
   }
-  if (l.vpt == 0) l = general_layout(p.hidden, vectorized ? n : 1, kGeneralMaxThreads, 256);
+  const size_t row_bytes = size_t(p.hidden) * sizeof(float);
+  plan.smem = l.vpt >= 8 ? 2 * row_bytes : size_t(l.rpb / 2) * row_bytes;
+  if (l.vpt == 0 || plan.smem > smem_limit()) {
+    l = general_layout(p.hidden, vectorized ? n : 1, kGeneralMaxThreads, 256);
+    plan.smem = 0;
+  }
   plan.layout = l;
   const void* kernel = nullptr;
   dispatch_dtype(p.dtype, [&](auto tag) {
@@ -405,9 +418,11 @@ inline BwdPlan bwd_plan(const LayerNormProblem& p, bool vectorized, int sm_count
   const int max_per_sm = l.vpt != 0 ? kBwdThreadsPerSm / threads : 2048 / threads;
   plan.blocks = persistent_blocks(kernel, threads, plan.smem, sm_count, max_per_sm,
                                   ceil_div(p.rows, l.rpb));
+  // Partial rows per block: one on the register path (row slots combined), one per slot else.
+  const int64_t slots = l.vpt != 0 ? 1 : l.rpb;
   const int64_t cap = l.vpt != 0 ? kMaxWorkspaceFloats : kL2SumsFloats;
-  plan.blocks = std::max<int64_t>(1, std::min(plan.blocks, cap / (2 * int64_t(l.rpb) * p.hidden)));
-  plan.partial_rows = plan.blocks * l.rpb;
+  plan.blocks = std::max<int64_t>(1, std::min(plan.blocks, cap / (2 * slots * p.hidden)));
+  plan.partial_rows = plan.blocks * slots;
   return plan;
 }
 

@@ -125,6 +125,37 @@ template <int W> __device__ __forceinline__ void store_sums(float* p, const floa
   }
 }
 
+// Adds the register-held column sums of a block's row slots (threadIdx.y) into slot 0's, a tree
+// through shared memory: at stride s, slot y with y % 2s == s hands its sums to slot y - s. `buf`
+// holds (blockDim.y / 2) * nvec * kN floats. Every thread of the block must call it (barriers);
+// it starts with a barrier, so back-to-back calls may share `buf`.
+template <int VPT, int kN>
+__device__ __forceinline__ void combine_row_slots(float (&acc)[VPT][kN], float* buf, int nvec) {
+  const int ty = threadIdx.y, rpb = blockDim.y, hidden = nvec * kN;
+  for (int s = 1; s < rpb; s *= 2) {
+    __syncthreads();
+    if (ty % (2 * s) == s) {
+      float* b = buf + (ty / (2 * s)) * hidden;
+#pragma unroll
+      for (int k = 0; k < VPT; ++k) {
+        const int j = threadIdx.x + k * blockDim.x;
+        if (j < nvec) store_sums<kN>(b + j * kN, acc[k]);
+      }
+    }
+    __syncthreads();
+    if (ty % (2 * s) == 0 && ty + s < rpb) {
+      const float* b = buf + (ty / (2 * s)) * hidden;
+#pragma unroll
+      for (int k = 0; k < VPT; ++k) {
+        const int j = threadIdx.x + k * blockDim.x;
+        if (j < nvec)
+#pragma unroll
+          for (int i = 0; i < kN; ++i) acc[k][i] += b[j * kN + i];
+      }
+    }
+  }
+}
+
 // out[c] = sum over partial rows p of partial[p * hidden + c], in a fixed order (deterministic for
 // a given launch plan). A block covers 32 columns; its 32 thread rows each sum a strided subset.
 // partial_rows == 0 writes zeros.

@@ -64,7 +64,8 @@ std::tuple<Tensor, Tensor> add_rms_norm_reference_op(const Tensor& x, const Tens
 std::tuple<Tensor, Tensor, Tensor> reference_fwd(const Tensor& x, const Tensor& residual,
                                                  const OptTensor& w, double eps, bool) {
   auto [y, h, rstd] = reference_math(x, residual, w, eps);
-  return {y, h, rstd.to(at::kFloat)};
+  // Dense outputs, as the Meta impl promises (x + residual follows a strided x's layout).
+  return {y.contiguous(), h.contiguous(), rstd.to(at::kFloat)};
 }
 
 std::tuple<Tensor, Tensor> reference_bwd(const Tensor& dy, const OptTensor& dh, const Tensor& h,
@@ -78,7 +79,7 @@ std::tuple<Tensor, Tensor> reference_bwd(const Tensor& dy, const OptTensor& dh, 
   if (dh) dx = dx + dh->to(at::kFloat);
   Tensor dw = no_dweight(h);
   if (weight_grad && w) dw = (dyf * hhat).reshape({-1, h.size(-1)}).sum(0).to(w->scalar_type());
-  return {dx.to(h.scalar_type()), dw};
+  return {dx.to(h.scalar_type()).contiguous(), dw};
 }
 
 // ---- kernelgate_cuda: our CUDA kernels.

@@ -65,7 +65,8 @@ Tensor layer_norm_reference_op(const Tensor& x, const OptTensor& w, const OptTen
 
 Tensor3 reference_fwd(const Tensor& x, const OptTensor& w, const OptTensor& b, double eps, bool) {
   auto [y, mean, rstd] = reference_math(x, w, b, eps);
-  return {y, mean.to(at::kFloat), rstd.to(at::kFloat)};
+  // Dense outputs, as the Meta impl promises (ATen follows a strided x's layout).
+  return {y.contiguous(), mean.to(at::kFloat).contiguous(), rstd.to(at::kFloat).contiguous()};
 }
 
 Tensor3 reference_bwd(const Tensor& dy, const Tensor& x, const OptTensor& w, const Tensor& mean,
@@ -80,7 +81,7 @@ Tensor3 reference_bwd(const Tensor& dy, const Tensor& x, const OptTensor& w, con
   Tensor dw = weight_grad && w ? (dyf * xhat).reshape({-1, hidden}).sum(0).to(x.scalar_type())
                                : empty_grad(x);
   Tensor db = bias_grad ? dyf.reshape({-1, hidden}).sum(0).to(x.scalar_type()) : empty_grad(x);
-  return {dx.to(x.scalar_type()), dw, db};
+  return {dx.to(x.scalar_type()).contiguous(), dw, db};
 }
 
 // ---- kernelgate_cuda: our CUDA kernels.
