@@ -2,8 +2,9 @@
 //
 // Two layouts per direction, as in rms_norm_cuda.cu:
 //  * "row in registers": each thread loads VPT 16-byte vectors of the row before using any, so
-//    x (and dy) are read once; the mean and then the variance come from the registers (two
-//    reductions), which is exact where E[x^2] - E[x]^2 cancels (rows with a mean far from 0).
+//    x (and dy) are read once; the mean and then the variance of the deviations come from the
+//    registers (two reductions), which stays exact where E[x^2] - E[x]^2 cancels (rows with a
+//    mean far from 0).
 //    Needs 16-byte aligned pointers and row starts and a row that fits (forward up to 512 threads
 //    x 8 vectors: 32768 bf16; backward up to 256 x 8: 16384 bf16).
 //  * "general": any hidden and alignment; 16-byte accesses when aligned, scalar otherwise. Three
@@ -30,13 +31,24 @@ constexpr int kBwdMaxThreads = 256;  // registers: x, dy and two sets of sums
 constexpr int kGeneralMaxThreads = 512;
 
 // ---------------------------------------------------------------- forward
-template <class T, int VPT> __global__ void __launch_bounds__(kFwdMaxThreads)
+// Mean and rstd from a first mean mu0 and the row sums m = (sum d, sum d^2) of d = x - mu0: the
+// corrected two-pass variance (Chan, Golub and LeVeque). The float32 first sum of a row whose mean
+// is far from 0 carries an absolute error of a few ulps of the row sum; sum d, taken over small
+// deviations, recovers it, so mean and variance are exact to rounding of the deviations.
+__device__ __forceinline__ void finish_stats(float mu0, float2 m, float inv_n, float eps,
+                                             float& mu, float& rs) {
+  const float c = m.x * inv_n;
+  mu = mu0 + c;
+  rs = 1.f / sqrtf(fmaxf(m.y * inv_n - c * c, 0.f) + eps);
+}
+
+template <class T, int VPT> __global__ void __launch_bounds__(kFwdMaxThreads, 1)
     layer_norm_fwd_row_in_registers(T* __restrict__ y, float* __restrict__ mean_out,
                                     float* __restrict__ rstd_out, const T* __restrict__ x,
                                     const T* __restrict__ weight, const T* __restrict__ bias,
                                     int64_t rows, int nvec, int64_t x_stride, float eps) {
   constexpr int kN = Vec<T>::kN;
-  __shared__ float red[2][32];
+  __shared__ float2 red[2][32];  // row_sum uses the first half of a buffer, row_sum2 all of it
   const float inv_n = 1.f / (float(nvec) * kN);
   const uint4* wr = reinterpret_cast<const uint4*>(weight);
   const uint4* br = reinterpret_cast<const uint4*>(bias);
@@ -60,9 +72,9 @@ template <class T, int VPT> __global__ void __launch_bounds__(kFwdMaxThreads)
 #pragma unroll
       for (int i = 0; i < kN; ++i) s += f[i];
     }
-    const float mu = row_sum(s, red[parity]) * inv_n;
+    const float mu0 = row_sum(s, reinterpret_cast<float*>(red[parity])) * inv_n;
     parity ^= 1;
-    float q = 0.f;
+    float sd = 0.f, q = 0.f;
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
       const int j = threadIdx.x + k * blockDim.x;
@@ -70,12 +82,17 @@ template <class T, int VPT> __global__ void __launch_bounds__(kFwdMaxThreads)
         float f[kN];
         unpack<T>(xv[k], f);
 #pragma unroll
-        for (int i = 0; i < kN; ++i) q += (f[i] - mu) * (f[i] - mu);
+        for (int i = 0; i < kN; ++i) {
+          const float d = f[i] - mu0;
+          sd += d;
+          q += d * d;
+        }
       }
     }
-    q = row_sum(q, red[parity]);
+    const float2 m = row_sum2(sd, q, red[parity]);
     parity ^= 1;
-    const float rs = 1.f / sqrtf(q * inv_n + eps);
+    float mu, rs;
+    finish_stats(mu0, m, inv_n, eps, mu, rs);
     if (!valid) continue;
     if (threadIdx.x == 0) {
       if (mean_out != nullptr) mean_out[row] = mu;
@@ -103,7 +120,7 @@ template <class T, int W> __global__ void __launch_bounds__(kGeneralMaxThreads)
                            float* __restrict__ rstd_out, const T* __restrict__ x,
                            const T* __restrict__ weight, const T* __restrict__ bias, int64_t rows,
                            int64_t hidden, int64_t x_stride, float eps) {
-  __shared__ float red[2][32];
+  __shared__ float2 red[2][32];  // row_sum uses the first half of a buffer, row_sum2 all of it
   const int64_t step = int64_t(gridDim.x) * blockDim.y;
   const int64_t c0 = int64_t(threadIdx.x) * W, cstep = int64_t(blockDim.x) * W;
   const float inv_n = 1.f / float(hidden);
@@ -122,21 +139,26 @@ template <class T, int W> __global__ void __launch_bounds__(kGeneralMaxThreads)
         for (int i = 0; i < W; ++i) s += f[i];
       }
     }
-    const float mu = row_sum(s, red[parity]) * inv_n;
+    const float mu0 = row_sum(s, reinterpret_cast<float*>(red[parity])) * inv_n;
     parity ^= 1;
-    float q = 0.f;
+    float sd = 0.f, q = 0.f;
     if (valid) {
 #pragma unroll(W == 1 ? 8 : 4)
       for (int64_t c = c0; c < hidden; c += cstep) {
         float f[W];
         load_elems<T, W>(xr + c, f);
 #pragma unroll
-        for (int i = 0; i < W; ++i) q += (f[i] - mu) * (f[i] - mu);
+        for (int i = 0; i < W; ++i) {
+          const float d = f[i] - mu0;
+          sd += d;
+          q += d * d;
+        }
       }
     }
-    q = row_sum(q, red[parity]);
+    const float2 m = row_sum2(sd, q, red[parity]);
     parity ^= 1;
-    const float rs = 1.f / sqrtf(q * inv_n + eps);
+    float mu, rs;
+    finish_stats(mu0, m, inv_n, eps, mu, rs);
     if (!valid) continue;
     if (threadIdx.x == 0) {
       if (mean_out != nullptr) mean_out[row] = mu;
