@@ -29,7 +29,7 @@ constexpr int kBwdMaxThreads = 256;      // registers: h, dy, dh and the dweight
 constexpr int kGeneralMaxThreads = 512;  // general kernels (both directions)
 
 // ---------------------------------------------------------------- forward
-template <class T, int VPT> __global__ void __launch_bounds__(kFwdMaxThreads)
+template <class T, int VPT> __global__ void __launch_bounds__(kFwdMaxThreads, VPT >= 8 ? 1 : 2)
     add_rms_norm_fwd_row_in_registers(T* __restrict__ y, T* __restrict__ h,
                                       float* __restrict__ rstd, const T* __restrict__ x,
                                       const T* __restrict__ res, const T* __restrict__ weight,
@@ -92,7 +92,7 @@ template <class T, int VPT> __global__ void __launch_bounds__(kFwdMaxThreads)
 }
 
 // W > 1 needs the row-in-registers alignment (hidden % W == 0 included).
-template <class T, int W> __global__ void __launch_bounds__(kGeneralMaxThreads)
+template <class T, int W> __global__ void __launch_bounds__(kGeneralMaxThreads, 1)
     add_rms_norm_fwd_general(T* __restrict__ y, T* __restrict__ h, float* __restrict__ rstd,
                              const T* __restrict__ x, const T* __restrict__ res,
                              const T* __restrict__ weight, int64_t rows, int64_t hidden,
@@ -256,7 +256,7 @@ template <class T, int VPT> __global__ void __launch_bounds__(kBwdMaxThreads, VP
 
 // Sums accumulate directly in the slot's workspace row (each column touched by one thread only;
 // the plan keeps the workspace within L2).
-template <class T, int W> __global__ void __launch_bounds__(kGeneralMaxThreads)
+template <class T, int W> __global__ void __launch_bounds__(kGeneralMaxThreads, 1)
     add_rms_norm_bwd_general(T* __restrict__ dx, float* __restrict__ dw_partial,
                              const T* __restrict__ dy, const T* __restrict__ dh,
                              const T* __restrict__ h, const T* __restrict__ weight,

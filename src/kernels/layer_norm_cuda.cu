@@ -42,7 +42,7 @@ __device__ __forceinline__ void finish_stats(float mu0, float2 m, float inv_n, f
   rs = 1.f / sqrtf(fmaxf(m.y * inv_n - c * c, 0.f) + eps);
 }
 
-template <class T, int VPT> __global__ void __launch_bounds__(kFwdMaxThreads, 1)
+template <class T, int VPT> __global__ void __launch_bounds__(kFwdMaxThreads, VPT >= 8 ? 1 : 2)
     layer_norm_fwd_row_in_registers(T* __restrict__ y, float* __restrict__ mean_out,
                                     float* __restrict__ rstd_out, const T* __restrict__ x,
                                     const T* __restrict__ weight, const T* __restrict__ bias,
@@ -115,7 +115,7 @@ template <class T, int VPT> __global__ void __launch_bounds__(kFwdMaxThreads, 1)
 }
 
 // W > 1 needs the row-in-registers alignment (hidden % W == 0 included).
-template <class T, int W> __global__ void __launch_bounds__(kGeneralMaxThreads)
+template <class T, int W> __global__ void __launch_bounds__(kGeneralMaxThreads, 1)
     layer_norm_fwd_general(T* __restrict__ y, float* __restrict__ mean_out,
                            float* __restrict__ rstd_out, const T* __restrict__ x,
                            const T* __restrict__ weight, const T* __restrict__ bias, int64_t rows,
@@ -312,7 +312,7 @@ template <class T, int VPT> __global__ void __launch_bounds__(kBwdMaxThreads, VP
 
 // Sums accumulate directly in the slot's workspace rows (each column touched by one thread
 // only; the plan keeps the workspace within L2).
-template <class T, int W> __global__ void __launch_bounds__(kGeneralMaxThreads)
+template <class T, int W> __global__ void __launch_bounds__(kGeneralMaxThreads, 1)
     layer_norm_bwd_general(T* __restrict__ dx, float* __restrict__ dw_partial,
                            float* __restrict__ db_partial, const T* __restrict__ dy,
                            const T* __restrict__ x, const T* __restrict__ weight,
