@@ -318,13 +318,18 @@ def test_gpu_far_offset(hidden):
     check_backend("kernelgate_cuda", "cuda", torch.float32, (9,), hidden, regime="far_offset")
 
 
+# (rows, hidden) whose bf16 backward takes each kernel: rows in registers with several rows per
+# block, one row per block, sums in shared memory, general scalar, general vectorised; enough rows
+# that the dweight / dbias reductions span many blocks.
+MANY_ROWS = [(4099, 1024), (4099, 4096), (1500, 12288), (4099, 4001), (600, 40000)]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("with_weight,with_bias", AFFINE)
 @pytest.mark.parametrize("seed", [1, 2])
-@pytest.mark.parametrize("hidden", [4096, 4000])
-def test_gpu_many_rows_seeds(with_weight, with_bias, seed, hidden):
-    # Enough rows that the dweight / dbias reductions span many blocks (4000: general path).
-    check_backend("kernelgate_cuda", "cuda", torch.bfloat16, (4099,), hidden, with_weight=with_weight,
+@pytest.mark.parametrize("rows,hidden", MANY_ROWS)
+def test_gpu_many_rows_seeds(with_weight, with_bias, seed, rows, hidden):
+    check_backend("kernelgate_cuda", "cuda", torch.bfloat16, (rows,), hidden, with_weight=with_weight,
                   with_bias=with_bias, seed=seed)
 
 
