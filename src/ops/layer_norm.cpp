@@ -1,5 +1,5 @@
 // layer_norm over the last dim: (x - mean) * rstd * weight + bias, float32 statistics.
-// Contract, backends (reference, kernelgate_cuda), routers and the TORCH_LIBRARY impls
+// Contract, backends (reference, aten, kernelgate_cuda), routers and the TORCH_LIBRARY impls
 // (CPU/CUDA router, Meta, Autograd).
 #include <ATen/ATen.h>
 #include <torch/autograd.h>
@@ -82,6 +82,35 @@ Tensor3 reference_bwd(const Tensor& dy, const Tensor& x, const OptTensor& w, con
                                : empty_grad(x);
   Tensor db = bias_grad ? dyf.reshape({-1, hidden}).sum(0).to(x.scalar_type()) : empty_grad(x);
   return {dx.to(x.scalar_type()).contiguous(), dw, db};
+}
+
+// ---- aten: PyTorch's native layer norm (vendor path; what F.layer_norm runs).
+
+Tensor3 aten_fwd(const Tensor& x, const OptTensor& w, const OptTensor& b, double eps,
+                 bool want_stats) {
+  auto [y, mean, rstd] = at::native_layer_norm(x, {x.size(-1)}, w, b, eps);
+  if (!want_stats) return {y.contiguous(), Tensor(), Tensor()};
+  return {y.contiguous(), mean.squeeze(-1).to(at::kFloat).contiguous(),
+          rstd.squeeze(-1).to(at::kFloat).contiguous()};
+}
+
+Tensor3 aten_bwd(const Tensor& dy, const Tensor& x, const OptTensor& w, const Tensor& mean,
+                 const Tensor& rstd, bool weight_grad, bool bias_grad) {
+  // CUDA's native layer norm keeps float32 statistics for every input dtype, as our contract.
+  // Its backward allocates dbias like bias and reads nothing else of it: a stand-in will do.
+  OptTensor b = bias_grad ? OptTensor(at::empty({x.size(-1)}, x.options())) : std::nullopt;
+  auto [dx, dw, db] = at::native_layer_norm_backward(
+      dy, x, {x.size(-1)}, mean.unsqueeze(-1), rstd.unsqueeze(-1), w, b,
+      {true, weight_grad, bias_grad});
+  return {dx.contiguous(), dw.defined() ? dw : empty_grad(x), db.defined() ? db : empty_grad(x)};
+}
+
+Support aten_can_implement(const CallView& call) {
+  const Tensor& x = *call.tensors[0];
+  if (call.grad && !x.is_cuda()) {
+    return Support::no("ATen's CPU layer norm keeps its statistics in x's dtype, not float32");
+  }
+  return Support::yes();
 }
 
 // ---- kernelgate_cuda: our CUDA kernels.
@@ -325,6 +354,8 @@ void register_layer_norm(Dispatcher& d) {
                   BackendDesc{"reference", BackendKind::kReference, nullptr, nullptr});
   g_impls[0] = {reference_fwd, reference_bwd};
   // Typed entries first: the router may pick the backend as soon as it is published.
+  g_impls[d.op(g_op).backends.size()] = {aten_fwd, aten_bwd};
+  d.add_backend(g_op, {"aten", BackendKind::kVendor, nullptr, aten_can_implement});
   const size_t index = d.op(g_op).backends.size();
 #ifdef KERNELGATE_WITH_CUDA
   g_impls[index] = {cuda_fwd, cuda_bwd};

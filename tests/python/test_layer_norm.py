@@ -13,8 +13,8 @@ import kernelgate as kg
 from kernelgate.testing import check_against_oracle, poison_cuda_allocator
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-CPU_BACKENDS = ["reference"]
-CUDA_BACKENDS = ["reference", "kernelgate_cuda"]
+CPU_BACKENDS = ["reference"]  # aten keeps bfloat16 statistics on the CPU: forward only, below
+CUDA_BACKENDS = ["reference", "aten", "kernelgate_cuda"]
 AFFINE = [(True, True), (True, False), (False, True), (False, False)]  # (weight, bias)
 
 oracle_op = torch.ops.kernelgate._layer_norm_reference
@@ -154,6 +154,23 @@ def test_cpu_eps(backend, eps):
     check_backend(backend, "cpu", torch.float32, (4,), 65, eps=eps, regime="small" if eps > 0 else "normal")
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows_shape,hidden", SHAPES)
+def test_cpu_aten_forward(dtype, rows_shape, hidden):
+    gen = torch.Generator().manual_seed(5)
+    x = _values((*rows_shape, hidden), "offset", dtype, "cpu", gen)
+    w = _values((hidden,), "normal", dtype, "cpu", gen)
+    b = _values((hidden,), "normal", dtype, "cpu", gen)
+    with kg.use(force={"layer_norm": "aten"}):
+        assert kg.explain("layer_norm", x, w, b).backend == "aten"
+        got = kg.layer_norm(x, w, b)
+        # With grad it cannot serve on the CPU, and says why.
+        e = kg.explain("layer_norm", x.requires_grad_(), w, b)
+        assert e.backend == "reference"
+        assert "statistics in x's dtype" in next(c.reason for c in e.candidates if c.backend == "aten")
+    check_against_oracle("y", got, kg.layer_norm(x.detach(), w, b), oracle_op(x.double(), w.double(), b.double()), dtype)
+
+
 def _special_check(backend, device):
     x = torch.randn(4, 16, device=device)
     x[0, 3] = float("nan")
@@ -204,7 +221,7 @@ def test_default_is_reference_and_explain_lists_backends():
     x, w = torch.randn(4, 64), torch.randn(64)
     e = kg.explain("layer_norm", x, w, None)
     assert e.backend == "reference" and "no evidence" in e.reason
-    assert {c.backend for c in e.candidates} >= {"reference", "kernelgate_cuda"}
+    assert {c.backend for c in e.candidates} >= {"reference", "aten", "kernelgate_cuda"}
     assert "layer_norm cpu float32,float32,none rows<=2^2 hidden<=2^6" in e.key
 
 
