@@ -17,7 +17,8 @@ from ._ops import add_rms_norm, layer_norm
 from . import evidence, policy
 
 __version__ = "0.1.0"
-__all__ = ["rms_norm", "swiglu", "geglu", "add_rms_norm", "layer_norm", "explain", "ops", "use", "policy", "evidence", "Explanation", "__version__"]
+__all__ = ["rms_norm", "swiglu", "geglu", "explain", "ops", "use", "policy", "evidence", "Explanation", "__version__"]
+__all__ += ["add_rms_norm", "layer_norm"]
 
 install_log_hook()
 evidence.install()
