@@ -39,7 +39,8 @@ __device__ __forceinline__ void finish_stats(float mu0, float2 m, float inv_n, f
                                              float& mu, float& rs) {
   const float c = m.x * inv_n;
   mu = mu0 + c;
-  rs = 1.f / sqrtf(fmaxf(m.y * inv_n - c * c, 0.f) + eps);
+  const float var = m.y * inv_n - c * c;  // >= 0 up to rounding; NaN stays NaN (not fmaxf)
+  rs = 1.f / sqrtf((var < 0.f ? 0.f : var) + eps);
 }
 
 template <class T, int VPT> __global__ void __launch_bounds__(kFwdMaxThreads, VPT >= 8 ? 1 : 2)
