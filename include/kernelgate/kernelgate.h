@@ -25,6 +25,17 @@ at::Tensor rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& weight
 at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up);
 at::Tensor geglu(const at::Tensor& gate, const at::Tensor& up, c10::string_view approximate = "tanh");
 
+// h = x + residual (rounded to x's dtype), y = rms_norm(h) * weight (float32 statistics);
+// returns (y, h). x and residual of one shape.
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const std::optional<at::Tensor>& weight = std::nullopt,
+                                                double eps = 1e-6);
+
+// Layer norm over the last dim, float32 statistics: (x - mean) * rstd * weight + bias, as
+// torch.nn.functional.layer_norm(x, (x.size(-1),), weight, bias, eps).
+at::Tensor layer_norm(const at::Tensor& x, const std::optional<at::Tensor>& weight = std::nullopt,
+                      const std::optional<at::Tensor>& bias = std::nullopt, double eps = 1e-5);
+
 // A typed rms_norm backend. Forward returns (y, rstd): rstd float32 of x.shape[:-1], and may be
 // undefined when want_rstd is false. Backward returns (dx, dweight): dweight an empty tensor
 // when weight_grad is false or there is no weight.
@@ -45,5 +56,11 @@ OpContract swiglu_contract();
 OpContract geglu_contract();
 void define_gated(torch::Library& m);
 void register_gated_ops(Dispatcher& d);
+OpContract add_rms_norm_contract();
+void define_add_rms_norm(torch::Library& m);
+void register_add_rms_norm(Dispatcher& d);
+OpContract layer_norm_contract();
+void define_layer_norm(torch::Library& m);
+void register_layer_norm(Dispatcher& d);
 
 }  // namespace kernelgate

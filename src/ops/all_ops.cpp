@@ -22,11 +22,15 @@ void register_builtin_ops(Dispatcher& d) {
 #endif
   register_rms_norm(d);
   register_gated_ops(d);
+  register_add_rms_norm(d);
+  register_layer_norm(d);
 }
 
 TORCH_LIBRARY(kernelgate, m) {
   define_rms_norm(m);
   define_gated(m);
+  define_add_rms_norm(m);
+  define_layer_norm(m);
 }
 
 }  // namespace kernelgate

@@ -1,0 +1,412 @@
+"""layer_norm: every backend against the float64 oracle, forward and every gradient (x, weight,
+bias), on odd shapes, non-contiguous layouts, with and without weight / bias, and hard value
+regimes (notably a mean far from 0 with a small spread, where E[x^2] - E[x]^2 cancels); opcheck,
+torch.compile, CUDA graphs and clear errors for bad input."""
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernelgate as kg
+from kernelgate.testing import check_against_oracle, poison_cuda_allocator
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+CPU_BACKENDS = ["reference"]  # aten keeps bfloat16 statistics on the CPU: forward only, below
+CUDA_BACKENDS = ["reference", "aten", "kernelgate_cuda"]
+AFFINE = [(True, True), (True, False), (False, True), (False, False)]  # (weight, bias)
+
+oracle_op = torch.ops.kernelgate._layer_norm_reference
+
+
+def _layouts(rows_shape, hidden):
+    full = (*rows_shape, hidden)
+    layouts = {"contiguous": (full, lambda t: t)}
+    if len(rows_shape) == 1:
+        rows = rows_shape[0]
+        layouts.update({
+            "transposed": ((hidden, rows), lambda t: t.t()),  # last-dim stride = rows
+            "row_strided": ((rows, hidden + 5), lambda t: t[:, :hidden]),  # padded rows
+            "offset": ((rows * hidden + 1,), lambda t: t[1:].view(full)),  # misaligned start
+            "expanded": ((1, hidden), lambda t: t.expand(rows, hidden)),  # row stride 0
+        })
+    return layouts
+
+
+def _values(shape, regime, dtype, device, gen):
+    x = torch.randn(shape, generator=gen, dtype=torch.float64)
+    if regime == "large":
+        x = x * 1e4 if dtype != torch.float16 else x * 5e3
+    elif regime == "small":
+        x = x * 1e-4  # variance far below eps: eps dominates
+    elif regime == "offset":
+        x = x * 0.01 + 3.0  # mean far from 0 relative to the spread
+    elif regime == "far_offset":
+        x = x + 1e4  # mean^2 / var = 1e8: one-pass E[x^2] - E[x]^2 in float32 is pure rounding
+    return x.to(device=device, dtype=dtype)
+
+
+def _run(backend, leaves, view, eps, dy):
+    ls = [None if t is None else t.detach().clone().requires_grad_(True) for t in leaves]
+    with kg.use(force={"layer_norm": backend}):
+        x = view(ls[0])
+        assert kg.explain("layer_norm", x, ls[1], ls[2]).backend == backend
+        y = kg.layer_norm(x, ls[1], ls[2], eps=eps)
+        grads = torch.autograd.grad(y, [t for t in ls if t is not None], dy)
+    return y, grads
+
+
+def _oracle(leaves, view, eps, dy):
+    ls = [None if t is None else t.detach().double().requires_grad_(True) for t in leaves]
+    y = oracle_op(view(ls[0]), ls[1], ls[2], eps)
+    grads = torch.autograd.grad(y, [t for t in ls if t is not None], dy.double())
+    return y, grads
+
+
+def check_backend(backend, device, dtype, rows_shape, hidden, layout="contiguous", regime="normal",
+                  with_weight=True, with_bias=True, eps=1e-5, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    leaf_shape, view = _layouts(rows_shape, hidden)[layout]
+    x_leaf = _values(leaf_shape, regime, dtype, device, gen)
+    w = _values((hidden,), "normal", dtype, device, gen) if with_weight else None
+    b = _values((hidden,), "normal", dtype, device, gen) if with_bias else None
+    y_shape = view(x_leaf).shape
+    dy = _values(y_shape, "normal", dtype, device, gen)
+    leaves = (x_leaf, w, b)
+    poison_cuda_allocator(x_leaf.device)
+    got, got_g = _run(backend, leaves, view, eps, dy)
+    ref, ref_g = _run("reference", leaves, view, eps, dy)
+    ora, ora_g = _oracle(leaves, view, eps, dy)
+    assert got.dtype == dtype and got.shape == y_shape and got.device == x_leaf.device
+    check_against_oracle("y", got, ref, ora, dtype)
+    names = ["dx"] + (["dweight"] if with_weight else []) + (["dbias"] if with_bias else [])
+    for name, g, r, o in zip(names, got_g, ref_g, ora_g):
+        assert g.dtype == dtype
+        check_against_oracle(name, g, r, o, dtype)
+
+
+# ---- the reference is torch's layer_norm -----------------------------------------------------
+
+@pytest.mark.parametrize("with_weight,with_bias", AFFINE)
+def test_oracle_is_torch_layer_norm(with_weight, with_bias):
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(4, 3, 37, generator=gen, dtype=torch.float64) + 5).requires_grad_(True)
+    w = torch.randn(37, generator=gen, dtype=torch.float64, requires_grad=True) if with_weight else None
+    b = torch.randn(37, generator=gen, dtype=torch.float64, requires_grad=True) if with_bias else None
+    dy = torch.randn(4, 3, 37, dtype=torch.float64)
+    y = oracle_op(x, w, b, 1e-5)
+    ye = F.layer_norm(x, (37,), w, b, 1e-5)
+    torch.testing.assert_close(y, ye)
+    inputs = [t for t in (x, w, b) if t is not None]
+    for a, e in zip(torch.autograd.grad(y, inputs, dy), torch.autograd.grad(ye, inputs, dy)):
+        torch.testing.assert_close(a, e)
+
+
+def test_reference_variance_survives_a_far_offset():
+    # float32 rows with mean 1e4 and unit spread: the two-pass variance keeps the unit-scale
+    # output that a one-pass E[x^2] - E[x]^2 in float32 would lose.
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(8, 512, generator=gen, dtype=torch.float64) + 1e4
+    y = kg.layer_norm(x.float())
+    exact = F.layer_norm(x, (512,))
+    assert (y.double() - exact).abs().max() < 1e-2
+    xf = x.float()
+    one_pass_var = (xf * xf).mean(-1) - xf.mean(-1) ** 2
+    assert (one_pass_var - 1).abs().max() > 0.1  # the trap is real at this offset
+
+
+# ---- CPU (runs in CI) ------------------------------------------------------------------------
+
+SHAPES = [((1,), 1), ((1,), 7), ((3,), 33), ((17,), 4096), ((5,), 1000), ((2, 5), 4097), ((2, 3, 4), 64)]
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows_shape,hidden", SHAPES)
+@pytest.mark.parametrize("with_weight,with_bias", AFFINE)
+def test_cpu_shapes(backend, dtype, rows_shape, hidden, with_weight, with_bias):
+    check_backend(backend, "cpu", dtype, rows_shape, hidden, with_weight=with_weight, with_bias=with_bias)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("layout", ["transposed", "row_strided", "offset", "expanded"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cpu_noncontiguous(backend, layout, dtype):
+    check_backend(backend, "cpu", dtype, (6,), 130, layout=layout)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("regime", ["large", "small", "offset"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cpu_value_regimes(backend, regime, dtype):
+    check_backend(backend, "cpu", dtype, (9,), 257, regime=regime)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_cpu_far_offset(backend):
+    check_backend(backend, "cpu", torch.float32, (9,), 1000, regime="far_offset")
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("eps", [0.0, 1e-6, 0.1])
+def test_cpu_eps(backend, eps):
+    check_backend(backend, "cpu", torch.float32, (4,), 65, eps=eps, regime="small" if eps > 0 else "normal")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows_shape,hidden", SHAPES)
+def test_cpu_aten_forward(dtype, rows_shape, hidden):
+    gen = torch.Generator().manual_seed(5)
+    x = _values((*rows_shape, hidden), "offset", dtype, "cpu", gen)
+    w = _values((hidden,), "normal", dtype, "cpu", gen)
+    b = _values((hidden,), "normal", dtype, "cpu", gen)
+    with kg.use(force={"layer_norm": "aten"}):
+        assert kg.explain("layer_norm", x, w, b).backend == "aten"
+        got = kg.layer_norm(x, w, b)
+        # With grad it cannot serve on the CPU, and says why.
+        e = kg.explain("layer_norm", x.requires_grad_(), w, b)
+        assert e.backend == "reference"
+        assert "statistics in x's dtype" in next(c.reason for c in e.candidates if c.backend == "aten")
+    check_against_oracle("y", got, kg.layer_norm(x.detach(), w, b), oracle_op(x.double(), w.double(), b.double()), dtype)
+
+
+def _special_check(backend, device):
+    x = torch.randn(4, 16, device=device)
+    x[0, 3] = float("nan")
+    x[1, 5] = float("inf")
+    x[2, :] = 7.0  # a constant row: variance 0, rstd = 1/sqrt(eps), y = bias
+    w, b = torch.randn(16, device=device), torch.randn(16, device=device)
+    with kg.use(force={"layer_norm": backend}):
+        y = kg.layer_norm(x, w, b)
+    o = oracle_op(x.double(), w.double(), b.double(), 1e-5)
+    check_against_oracle("y", y, kg.layer_norm(x, w, b), o)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_cpu_special_values(backend):
+    _special_check(backend, "cpu")
+
+
+def _empty_check(backend, device):
+    x = torch.randn(0, 8, device=device, requires_grad=True)
+    w = torch.randn(8, device=device, requires_grad=True)
+    b = torch.randn(8, device=device, requires_grad=True)
+    with kg.use(force={"layer_norm": backend}):
+        y = kg.layer_norm(x, w, b)
+        y.sum().backward()
+    assert y.shape == (0, 8) and x.grad.shape == (0, 8)
+    assert torch.equal(w.grad, torch.zeros(8, device=device))
+    assert torch.equal(b.grad, torch.zeros(8, device=device))
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_cpu_empty_rows(backend):
+    _empty_check(backend, "cpu")
+
+
+def test_only_some_parameters_require_grad():
+    x = torch.randn(3, 20, requires_grad=True)
+    w = torch.randn(20)  # no grad
+    b = torch.randn(20, requires_grad=True)
+    y = kg.layer_norm(x, w, b)
+    gx, gb = torch.autograd.grad(y, [x, b], torch.ones_like(y))
+    ye = F.layer_norm(x, (20,), w, b)
+    ex, eb = torch.autograd.grad(ye, [x, b], torch.ones_like(ye))
+    torch.testing.assert_close(gx, ex)
+    torch.testing.assert_close(gb, eb)
+
+
+def test_default_is_reference_and_explain_lists_backends():
+    x, w = torch.randn(4, 64), torch.randn(64)
+    e = kg.explain("layer_norm", x, w, None)
+    assert e.backend == "reference" and "no evidence" in e.reason
+    assert {c.backend for c in e.candidates} >= {"reference", "aten", "kernelgate_cuda"}
+    assert "layer_norm cpu float32,float32,none rows<=2^2 hidden<=2^6" in e.key
+
+
+# ---- bad input: clear errors naming the argument ------------------------------------------------
+
+@pytest.mark.parametrize(
+    "x,w,b,eps,match",
+    [
+        (torch.randn(2, 8), torch.randn(7), None, 1e-5, r"weight.size\(-1\) must be 8 to match x.size\(-1\) \(hidden\), got 7"),
+        (torch.randn(2, 8), None, torch.randn(9), 1e-5, r"bias.size\(-1\) must be 8 to match x.size\(-1\) \(hidden\), got 9"),
+        (torch.randn(2, 8), torch.randn(2, 8), None, 1e-5, "weight must have 1 dim, got 2"),
+        (torch.randn(2, 8), None, torch.randn(8, dtype=torch.float16), 1e-5, r"bias must have the dtype of x \(float32\), got float16"),
+        (torch.ones(2, 8, dtype=torch.int64), None, None, 1e-5, "got int64"),
+        (torch.randn(2, 0), None, None, 1e-5, r"x.size\(-1\) \(hidden\) must be at least 1, got 0"),
+        (torch.randn(()), None, None, 1e-5, "x must have at least 1 dim, got 0"),
+        (torch.randn(2, 8), None, None, float("inf"), "eps must be a finite number >= 0, got inf"),
+    ],
+)
+def test_bad_input_errors(x, w, b, eps, match):
+    with pytest.raises(RuntimeError, match=match):
+        kg.layer_norm(x, w, b, eps=eps)
+    meta = [None if t is None else t.to("meta") for t in (x, w, b)]
+    with pytest.raises(RuntimeError, match=match):
+        kg.layer_norm(*meta, eps=eps)
+
+
+def test_meta_shapes():
+    x = torch.empty(3, 5, 7, device="meta", dtype=torch.bfloat16)
+    y = kg.layer_norm(x, torch.empty(7, device="meta", dtype=torch.bfloat16), None)
+    assert y.shape == (3, 5, 7) and y.dtype == torch.bfloat16 and y.device.type == "meta"
+
+
+# ---- PyTorch integration ----------------------------------------------------------------------
+
+def _opcheck_args(device):
+    x = torch.randn(3, 5, 33, device=device, requires_grad=True)
+    w = torch.randn(33, device=device, requires_grad=True)
+    b = torch.randn(33, device=device, requires_grad=True)
+    return [(x, w, b, 1e-5), (x.detach(), None, None, 1e-6), (x, None, b, 1e-5), (x, w, None, 1e-5)]
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_opcheck_cpu(backend):
+    with kg.use(force={"layer_norm": backend}):
+        for args in _opcheck_args("cpu"):
+            torch.library.opcheck(torch.ops.kernelgate.layer_norm.default, args)
+
+
+def _compile_check(device, backend_name):
+    def block(x, w, b):
+        h = kg.layer_norm(x, w, b) * 2.0
+        return kg.layer_norm(h + x, None, b, eps=1e-6)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(block, fullgraph=True)
+    x = torch.randn(4, 6, 48, device=device, requires_grad=True)
+    w = torch.randn(48, device=device, requires_grad=True)
+    b = torch.randn(48, device=device, requires_grad=True)
+    with kg.use(force={"layer_norm": backend_name}):
+        y = compiled(x, w, b)
+        got = torch.autograd.grad(y.sum(), [x, w, b])
+        ye = block(x, w, b)
+        exp = torch.autograd.grad(ye.sum(), [x, w, b])
+    torch.testing.assert_close(y, ye)
+    for a, e in zip(got, exp):
+        torch.testing.assert_close(a, e)
+
+
+def test_torch_compile_fullgraph_cpu():
+    _compile_check("cpu", "reference")
+
+
+def test_cpp_and_python_share_one_op():
+    x = torch.randn(3, 9)
+    assert torch.equal(kg.layer_norm(x), torch.ops.kernelgate.layer_norm(x))
+
+
+# ---- GPU (run on the GPU machine: pytest -m gpu) --------------------------------------------------
+
+GPU_SHAPES = SHAPES + [((64,), 2048), ((33,), 4096), ((16,), 8192), ((3,), 12288), ((5,), 16384),
+                       ((2,), 32768), ((2,), 32768 + 8), ((4,), 65536), ((2,), 1 << 17)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", CUDA_BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows_shape,hidden", GPU_SHAPES)
+@pytest.mark.parametrize("with_weight,with_bias", AFFINE)
+def test_gpu_shapes(backend, dtype, rows_shape, hidden, with_weight, with_bias):
+    check_backend(backend, "cuda", dtype, rows_shape, hidden, with_weight=with_weight, with_bias=with_bias)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", CUDA_BACKENDS)
+@pytest.mark.parametrize("layout", ["transposed", "row_strided", "offset", "expanded"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("hidden", [130, 4096])
+def test_gpu_noncontiguous(backend, layout, dtype, hidden):
+    check_backend(backend, "cuda", dtype, (6,), hidden, layout=layout)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("regime,dtype,hidden", list(itertools.product(["large", "small", "offset"], DTYPES, [257, 4096])))
+def test_gpu_value_regimes(regime, dtype, hidden):
+    check_backend("kernelgate_cuda", "cuda", dtype, (9,), hidden, regime=regime)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hidden", [1000, 4096, 40000])
+def test_gpu_far_offset(hidden):
+    check_backend("kernelgate_cuda", "cuda", torch.float32, (9,), hidden, regime="far_offset")
+
+
+# (rows, hidden) whose bf16 backward takes each kernel: rows in registers with several rows per
+# block, one row per block, sums in shared memory, general scalar, general vectorised; enough rows
+# that the dweight / dbias reductions span many blocks.
+MANY_ROWS = [(4099, 1024), (4099, 4096), (1500, 12288), (4099, 4001), (600, 40000)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("with_weight,with_bias", AFFINE)
+@pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize("rows,hidden", MANY_ROWS)
+def test_gpu_many_rows_seeds(with_weight, with_bias, seed, rows, hidden):
+    check_backend("kernelgate_cuda", "cuda", torch.bfloat16, (rows,), hidden, with_weight=with_weight,
+                  with_bias=with_bias, seed=seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", CUDA_BACKENDS)
+def test_gpu_special_values(backend):
+    _special_check(backend, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", CUDA_BACKENDS)
+def test_gpu_empty_rows(backend):
+    _empty_check(backend, "cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_explain_key():
+    assert "sm_" in kg.explain("layer_norm", torch.randn(2, 64, device="cuda")).key
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", CUDA_BACKENDS)
+def test_gpu_opcheck(backend):
+    with kg.use(force={"layer_norm": backend}):
+        for args in _opcheck_args("cuda"):
+            torch.library.opcheck(torch.ops.kernelgate.layer_norm.default, args)
+
+
+@pytest.mark.gpu
+def test_gpu_torch_compile_fullgraph():
+    _compile_check("cuda", "kernelgate_cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", CUDA_BACKENDS)
+def test_gpu_cuda_graph_capture_and_replay(backend):
+    x = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    b = torch.randn(1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        y = kg.layer_norm(x, w, b)
+        return (y, *torch.autograd.grad(y, [x, w, b], dy))
+
+    with kg.use(force={"layer_norm": backend}):
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):  # warm up outside capture
+            for _ in range(2):
+                step()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = step()
+        for _ in range(3):
+            with torch.no_grad():
+                x.copy_(torch.randn_like(x) + 3.0)
+                dy.copy_(torch.randn_like(dy))
+            g.replay()
+            torch.cuda.synchronize()
+            for a, e in zip(out, step()):
+                torch.testing.assert_close(a, e)
