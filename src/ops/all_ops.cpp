@@ -22,11 +22,13 @@ void register_builtin_ops(Dispatcher& d) {
 #endif
   register_rms_norm(d);
   register_gated_ops(d);
+  register_rope_ops(d);
 }
 
 TORCH_LIBRARY(kernelgate, m) {
   define_rms_norm(m);
   define_gated(m);
+  define_rope(m);
 }
 
 }  // namespace kernelgate
