@@ -48,6 +48,12 @@ Tensor in_dtype(const Tensor& t, at::ScalarType acc) { return t.scalar_type() ==
 
 at::ScalarType acc_type(const Tensor& x) { return at::promote_types(x.scalar_type(), at::kFloat); }
 
+// t in x's dtype, contiguous: the layout every backend returns (and the Meta impls promise),
+// whatever layout ATen's elementwise ops chose for a strided x.
+Tensor dense(const Tensor& t, const Tensor& x) {
+  return in_dtype(t, x.scalar_type()).contiguous();
+}
+
 Tensor rotate_half(const Tensor& x) {
   const int64_t h = x.size(-1) / 2;
   return at::cat({-x.narrow(-1, h, h), x.narrow(-1, 0, h)}, -1);
@@ -68,15 +74,13 @@ Tensor rope_math_bwd(const Tensor& g, const Tensor& c, const Tensor& s) {
 TensorPair rope_reference_fwd(const Tensor& q, const Tensor& k, const Tensor& cos, const Tensor& sin) {
   const auto acc = acc_type(q);
   Tensor c = per_head(cos, acc), s = per_head(sin, acc);
-  return {rope_math(in_dtype(q, acc), c, s).to(q.scalar_type()),
-          rope_math(in_dtype(k, acc), c, s).to(k.scalar_type())};
+  return {dense(rope_math(in_dtype(q, acc), c, s), q), dense(rope_math(in_dtype(k, acc), c, s), k)};
 }
 
 TensorPair rope_reference_bwd(const Tensor& gq, const Tensor& gk, const Tensor& cos, const Tensor& sin) {
   const auto acc = acc_type(gq);
   Tensor c = per_head(cos, acc), s = per_head(sin, acc);
-  return {rope_math_bwd(in_dtype(gq, acc), c, s).to(gq.scalar_type()),
-          rope_math_bwd(in_dtype(gk, acc), c, s).to(gk.scalar_type())};
+  return {dense(rope_math_bwd(in_dtype(gq, acc), c, s), gq), dense(rope_math_bwd(in_dtype(gk, acc), c, s), gk)};
 }
 
 // Per-head rms_norm in acc: (x rstd w, rstd [batch, heads, seq]).
@@ -95,8 +99,7 @@ TensorQuad norm_reference_math(const Tensor& q, const Tensor& k, const Tensor& q
   Tensor c = per_head(cos, acc), s = per_head(sin, acc);
   auto [qn, q_rstd] = head_rms_norm(q, qw, eps, acc);
   auto [kn, k_rstd] = head_rms_norm(k, kw, eps, acc);
-  return {rope_math(qn, c, s).to(q.scalar_type()), rope_math(kn, c, s).to(k.scalar_type()), q_rstd,
-          k_rstd};
+  return {dense(rope_math(qn, c, s), q), dense(rope_math(kn, c, s), k), q_rstd, k_rstd};
 }
 
 TensorQuad norm_reference_fwd(const Tensor& q, const Tensor& k, const Tensor& qw, const Tensor& kw,
@@ -116,7 +119,7 @@ TensorPair head_norm_rope_bwd(const Tensor& g, const Tensor& x, const Tensor& w,
   Tensor dx = r * (gw - xhat * (gw * xhat).mean(-1, /*keepdim=*/true));
   Tensor dw = weight_grad ? (dn * xhat).reshape({-1, x.size(-1)}).sum(0).to(w.scalar_type())
                           : at::empty({0}, w.options());
-  return {dx.to(x.scalar_type()), dw};
+  return {dense(dx, x), dw};
 }
 
 TensorQuad norm_reference_bwd(const Tensor& gq, const Tensor& gk, const Tensor& q, const Tensor& k,
