@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import kernelgate as kg
-from kernelgate.testing import check_against_oracle, poison_cuda_allocator
+from kernelgate.testing import _metrics, check_against_oracle, poison_cuda_allocator
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 OPS = ["rope", "qk_norm_rope"]
@@ -128,6 +128,25 @@ def _oracle_fn(op):
 
 
 GRAD_NAMES = ["dq", "dk", "dq_weight", "dk_weight"]
+UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+
+
+def assert_reference_accurate(name, ref, oracle, dtype):
+    """The reference at `dtype` against the oracle, in absolute terms. Its error is what rounding
+    the result to dtype costs: at most half a unit in the last place per element, so at most one
+    unit u in relative L2 and u * max|o| / rms(o) in the max metric (float32 results get room
+    for their own arithmetic). check_against_oracle scales by the reference's error, so a wrong
+    reference would pass it: this is what makes the reference backend's tests able to fail."""
+    o = oracle.detach().double().cpu()
+    finite = o.isfinite()
+    l2, mx = _metrics(ref.detach().cpu(), o, finite)
+    if o[finite].numel() == 0 or o[finite].abs().max() == 0:
+        return
+    of = o[finite]
+    peak = (of.abs().max() / of.square().mean().sqrt()).item()
+    u = UNIT_ROUNDOFF[dtype]
+    assert l2 <= u + 1e-6, f"{name}: reference relative L2 error {l2:.3e} > {u:.1e} ({dtype})"
+    assert mx <= u * peak + 1e-6, f"{name}: reference max error / rms {mx:.3e} > {u * peak:.1e} ({dtype})"
 
 
 def check(op, backend, device, dtype, dims, **kw):
@@ -143,10 +162,12 @@ def check(op, backend, device, dtype, dims, **kw):
     for name, g, r, o, shape in zip(["q_out", "k_out"], got, ref, ora, [case.q_shape, case.k_shape]):
         assert g.dtype == dtype and tuple(g.shape) == shape and g.device.type == device
         check_against_oracle(name, g, r, o, dtype)
+        assert_reference_accurate(name, r, o, dtype)
     assert len(got_g) == (2 if op == "rope" else 4)
     for name, g, r, o in zip(GRAD_NAMES, got_g, ref_g, ora_g):
         assert g.dtype == dtype
         check_against_oracle(name, g, r, o, dtype)
+        assert_reference_accurate(name, r, o, dtype)
 
 
 # ---- CPU (runs in CI) ---------------------------------------------------------------------------
