@@ -5,8 +5,6 @@ or per batch, strided q/k and hard values; autograd, opcheck, torch.compile, cle
 cos and sin are constants to autograd (the reference detaches them): the tests never request
 their gradient except to check that none is produced."""
 
-import math
-
 import pytest
 import torch
 
