@@ -447,6 +447,9 @@ class RopeFunction : public torch::autograd::Function<RopeFunction> {
     ctx->saved_data["q_sizes"] = q.sizes().vec();
     ctx->saved_data["k_sizes"] = k.sizes().vec();
     auto [qo, ko] = rope_handle().call(q, k, cos, sin);
+    // As through the reference: an output none of whose inputs needs a gradient has none.
+    if (!q.requires_grad()) ctx->mark_non_differentiable({qo});
+    if (!k.requires_grad()) ctx->mark_non_differentiable({ko});
     return {qo, ko};
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -488,6 +491,8 @@ class NormRopeFunction : public torch::autograd::Function<NormRopeFunction> {
     at::AutoDispatchBelowADInplaceOrView guard;
     auto [qo, ko, qr, kr] = norm_fwd_handle().call(q, k, qw, kw, cos, sin, eps);
     ctx->save_for_backward({q, k, qw, kw, cos, sin, qr, kr});
+    if (!q.requires_grad() && !qw.requires_grad()) ctx->mark_non_differentiable({qo});
+    if (!k.requires_grad() && !kw.requires_grad()) ctx->mark_non_differentiable({ko});
     return {qo, ko};
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -498,7 +503,8 @@ class NormRopeFunction : public torch::autograd::Function<NormRopeFunction> {
     Tensor gq = grads[0].defined() ? grads[0] : at::zeros_like(s[0], at::MemoryFormat::Contiguous);
     Tensor gk = grads[1].defined() ? grads[1] : at::zeros_like(s[1], at::MemoryFormat::Contiguous);
     auto [dq, dk, dqw, dkw] = norm_bwd_handle().call(gq, gk, s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], need_dw);
-    return {dq, dk, need_dw ? dqw : Tensor(), need_dw ? dkw : Tensor(), Tensor(), Tensor(), Tensor()};
+    return {dq, dk, ctx->needs_input_grad(2) ? dqw : Tensor(), ctx->needs_input_grad(3) ? dkw : Tensor(),
+            Tensor(), Tensor(), Tensor()};
   }
 };
 

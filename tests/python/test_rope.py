@@ -267,6 +267,8 @@ def test_cos_sin_get_no_gradient():
     qo, ko = kg.rope(q, k, c, s)
     dq, dk, dc, ds = torch.autograd.grad((qo.sum() + ko.sum()), [q, k, c, s], allow_unused=True)
     assert dc is None and ds is None and dq is not None and dk is not None
+    qo, ko = kg.rope(q, k.detach(), c, s)
+    assert qo.requires_grad and not ko.requires_grad  # as through the reference
     w = torch.ones(8, requires_grad=True)
     qo, ko = kg.qk_norm_rope(q, k, w, w, c, s)
     grads = torch.autograd.grad(qo.sum() + ko.sum(), [q, k, w, c, s], allow_unused=True)
@@ -275,6 +277,25 @@ def test_cos_sin_get_no_gradient():
     qo, _ = kg.rope(q.detach(), k.detach(), c, s)
     ro, _ = rope_oracle(q.detach(), k.detach(), c, s)
     assert not qo.requires_grad and not ro.requires_grad
+
+
+def test_qk_norm_rope_some_inputs_without_grad():
+    # Only q and q_weight require grad: their gradients match the oracle's, and k_out, which
+    # depends on neither, needs none.
+    case = Case("qk_norm_rope", "cpu", torch.float32, 2, 4, 2, 3, 8)
+
+    def run(fn, cast):
+        q = cast(case.q_leaf).clone().requires_grad_(True)
+        qw = cast(case.qw).clone().requires_grad_(True)
+        k, kw = cast(case.k_leaf), cast(case.kw)
+        qo, ko = fn(q, k, qw, kw, cast(case.cos), cast(case.sin), 1e-6)
+        assert qo.requires_grad and not ko.requires_grad  # as through the reference
+        return torch.autograd.grad(qo, [q, qw], cast(case.gq))
+
+    got = run(kg.qk_norm_rope, lambda t: t)
+    want = run(norm_oracle, lambda t: t.double())
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("op", OPS)
