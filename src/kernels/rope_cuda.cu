@@ -105,8 +105,10 @@ __device__ __forceinline__ P* row_ptr(P* q, P* k, const RopeStrides& qs, const R
 }
 
 // ---------------------------------------------------------------- rope
+// (kMaxThreads, 1): lets ptxas use the registers it wants (about 136 for 16-bit vectors); with
+// a 128 cap sm_80 spills. Blocks are small (ceil(rows / U) row groups), so several still fit.
 template <class T, int W, bool kBwd>
-__global__ void __launch_bounds__(kMaxThreads)
+__global__ void __launch_bounds__(kMaxThreads, 1)
     rope_position_per_block(Operands<T> t, RopeProblem p, int64_t positions, int nlanes) {
   constexpr int U = kRopeRowsPerThread;
   const int64_t h = p.head_dim / 2, rows = p.q_heads + p.kv_heads;
