@@ -12,11 +12,13 @@ import torch  # noqa: F401  (loads LibTorch before our library)
 from . import _C  # noqa: F401  (registers torch.ops.kernelgate)
 from ._api import Explanation, explain, ops, use
 from ._logging import install_log_hook
-from ._ops import geglu, qk_norm_rope, rms_norm, rope, swiglu
+from ._ops import geglu, rms_norm, swiglu
+from ._ops import qk_norm_rope, rope
 from . import evidence, policy
 
 __version__ = "0.1.0"
-__all__ = ["rms_norm", "swiglu", "geglu", "rope", "qk_norm_rope", "explain", "ops", "use", "policy", "evidence", "Explanation", "__version__"]
+__all__ = ["rms_norm", "swiglu", "geglu", "explain", "ops", "use", "policy", "evidence", "Explanation", "__version__"]
+__all__ += ["rope", "qk_norm_rope"]
 
 install_log_hook()
 evidence.install()

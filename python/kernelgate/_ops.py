@@ -1,6 +1,7 @@
 """The op API. Each function is a direct call of the registered torch op: nothing is decided here."""
 
-from typing import Optional, Tuple
+from typing import Optional
+from typing import Tuple
 
 import torch
 
