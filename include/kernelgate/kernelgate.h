@@ -36,6 +36,20 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
 at::Tensor layer_norm(const at::Tensor& x, const std::optional<at::Tensor>& weight = std::nullopt,
                       const std::optional<at::Tensor>& bias = std::nullopt, double eps = 1e-5);
 
+// Rotary position embedding, rotate-half convention (Llama / HF): x cos + rotate_half(x) sin for
+// q [batch, q_heads, seq, head_dim] and k [batch, kv_heads, seq, head_dim] (head_dim even),
+// cos / sin [1 or batch, seq, head_dim] shared by all heads. float32 math, outputs in q's dtype.
+// Gradients flow to q and k only: cos and sin are constants.
+std::tuple<at::Tensor, at::Tensor> rope(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
+                                        const at::Tensor& sin);
+// Per-head rms_norm of q and k over head_dim (weights q_weight / k_weight [head_dim], float32
+// statistics), then rope, fused; the normalised heads stay float32 in between. Gradients flow to
+// q, k, q_weight and k_weight.
+std::tuple<at::Tensor, at::Tensor> qk_norm_rope(const at::Tensor& q, const at::Tensor& k,
+                                                const at::Tensor& q_weight, const at::Tensor& k_weight,
+                                                const at::Tensor& cos, const at::Tensor& sin,
+                                                double eps = 1e-6);
+
 // A typed rms_norm backend. Forward returns (y, rstd): rstd float32 of x.shape[:-1], and may be
 // undefined when want_rstd is false. Backward returns (dx, dweight): dweight an empty tensor
 // when weight_grad is false or there is no weight.
@@ -62,5 +76,9 @@ void register_add_rms_norm(Dispatcher& d);
 OpContract layer_norm_contract();
 void define_layer_norm(torch::Library& m);
 void register_layer_norm(Dispatcher& d);
+OpContract rope_contract();
+OpContract qk_norm_rope_contract();
+void define_rope(torch::Library& m);
+void register_rope_ops(Dispatcher& d);
 
 }  // namespace kernelgate

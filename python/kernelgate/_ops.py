@@ -1,7 +1,6 @@
 """The op API. Each function is a direct call of the registered torch op: nothing is decided here."""
 
-from typing import Optional
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -10,6 +9,8 @@ _swiglu = torch.ops.kernelgate.swiglu.default
 _geglu = torch.ops.kernelgate.geglu.default
 _add_rms_norm = torch.ops.kernelgate.add_rms_norm.default
 _layer_norm = torch.ops.kernelgate.layer_norm.default
+_rope = torch.ops.kernelgate.rope.default
+_qk_norm_rope = torch.ops.kernelgate.qk_norm_rope.default
 
 
 def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, eps: float = 1e-6) -> torch.Tensor:
@@ -45,3 +46,38 @@ def layer_norm(
     """Layer norm over the last dim with float32 statistics, as
     torch.nn.functional.layer_norm(x, (x.size(-1),), weight, bias, eps)."""
     return _layer_norm(x, weight, bias, eps)
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Rotary position embedding of q and k, rotate-half convention (Llama / Hugging Face):
+    ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = cat(-x[..., D/2:], x[..., :D/2])``.
+
+    q: [batch, q_heads, seq, head_dim], k: [batch, kv_heads, seq, head_dim] (q_heads and kv_heads
+    may differ: GQA); head_dim even. cos, sin: [1 or batch, seq, head_dim], shared by all heads, in
+    q's dtype. q and k may be strided (e.g. a [b, s, h, d] projection transposed). float32 math;
+    returns (q_out, k_out), contiguous, in q's dtype.
+
+    Gradients flow to q and k only: cos and sin are treated as constants (no gradient is
+    computed for them even if they require one).
+    """
+    return _rope(q, k, cos, sin)
+
+
+def qk_norm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float = 1e-6,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per-head rms_norm of q and k over head_dim (weights q_weight and k_weight, [head_dim];
+    float32 statistics), then :func:`rope`, fused (Qwen3 / OLMo2-style qk-norm).
+
+    Shapes as for :func:`rope`. The normalised heads stay in float32 between the norm and the
+    rotation (an eager ``rope(rms_norm(q), ...)`` rounds them to q's dtype in between; the
+    float64 oracle does not, so this is at least as accurate). Gradients flow to q, k, q_weight
+    and k_weight; cos and sin are constants.
+    """
+    return _qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps)

@@ -24,6 +24,7 @@ void register_builtin_ops(Dispatcher& d) {
   register_gated_ops(d);
   register_add_rms_norm(d);
   register_layer_norm(d);
+  register_rope_ops(d);
 }
 
 TORCH_LIBRARY(kernelgate, m) {
@@ -31,6 +32,7 @@ TORCH_LIBRARY(kernelgate, m) {
   define_gated(m);
   define_add_rms_norm(m);
   define_layer_norm(m);
+  define_rope(m);
 }
 
 }  // namespace kernelgate
