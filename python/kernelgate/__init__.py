@@ -13,10 +13,12 @@ from . import _C  # noqa: F401  (registers torch.ops.kernelgate)
 from ._api import Explanation, explain, ops, use
 from ._logging import install_log_hook
 from ._ops import geglu, rms_norm, swiglu
+from ._ops import cross_entropy, linear_cross_entropy
 from . import evidence, policy
 
 __version__ = "0.1.0"
 __all__ = ["rms_norm", "swiglu", "geglu", "explain", "ops", "use", "policy", "evidence", "Explanation", "__version__"]
+__all__ += ["cross_entropy", "linear_cross_entropy"]
 
 install_log_hook()
 evidence.install()

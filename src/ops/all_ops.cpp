@@ -22,11 +22,15 @@ void register_builtin_ops(Dispatcher& d) {
 #endif
   register_rms_norm(d);
   register_gated_ops(d);
+  register_cross_entropy(d);
+  register_linear_cross_entropy(d);
 }
 
 TORCH_LIBRARY(kernelgate, m) {
   define_rms_norm(m);
   define_gated(m);
+  define_cross_entropy(m);
+  define_linear_cross_entropy(m);
 }
 
 }  // namespace kernelgate
