@@ -26,7 +26,8 @@ enum class CeReduction : int { kMean = 0, kSum = 1, kNone = 2 };
 // null: reduction "none" output) and lse[r] (float32; 0 for ignored rows) are written.
 // Gradient pass (grad != null): grad[r, :] = d loss_r / d x[r, :] * scale_r with
 //   scale_r = (dloss ? dloss[dloss_per_row ? r : 0] : 1) / (n_valid ? *n_valid : 1),
-// using the lse just computed, or lse[r] from an earlier stats pass when !compute_stats.
+// using the lse just computed, or lse[r] from an earlier stats pass when !compute_stats (lse is
+// required whenever grad is given).
 // grad may equal logits (in place, same row stride): each element is read before it is written
 // by the same thread. dloss has the logits dtype; n_valid is a float32 device scalar. Never
 // synchronizes. Returns 0 on success or a CUDA error code (cudaErrorInvalidValue for bad

@@ -363,7 +363,8 @@ int cross_entropy_rows_cuda(const CeRowsArgs& a, void* stream) {
   if (a.rows < 0 || a.classes < 0) return int(cudaErrorInvalidValue);
   if (a.rows == 0) return 0;
   const bool ok = a.classes >= 1 && a.classes <= INT_MAX / 2 && a.logits != nullptr &&
-                  a.target != nullptr && (a.compute_stats || (a.grad != nullptr && a.lse != nullptr)) &&
+                  a.target != nullptr && (a.compute_stats || a.grad != nullptr) &&
+                  (a.grad == nullptr || a.lse != nullptr) &&
                   (!a.dloss_per_row || a.dloss != nullptr);
   if (!ok) return int(cudaErrorInvalidValue);
   auto s = static_cast<cudaStream_t>(stream);
