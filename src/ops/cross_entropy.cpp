@@ -174,7 +174,9 @@ std::array<CeFwd, kMaxBackends> g_fwd{};
 std::array<CeBwd, kMaxBackends> g_bwd{};
 constexpr const char* kOp = "cross_entropy";
 
-Tensor rows_f32(const Tensor& logits) { return at::empty({logits.size(0)}, logits.options().dtype(at::kFloat)); }
+Tensor rows_f32(const Tensor& logits) {
+  return at::empty({logits.size(0)}, logits.options().dtype(at::kFloat));
+}
 
 // ---- reference: the ATen chunk step over all rows (float32 math).
 
@@ -445,7 +447,9 @@ OpContract cross_entropy_contract() {
   c.variant_args = {{"reduction", {"mean", "sum", "none"}}};  // order: CeReduction
   c.dim_ranges = {{"rows", {0, 65536}}, {"classes", {1, 262144}}};
   for (int64_t rows : {8192, 4096, 16384}) {
-    for (int64_t classes : {128256, 151936, 32000}) c.production_shapes.push_back({{"rows", rows}, {"classes", classes}});
+    for (int64_t classes : {128256, 151936, 32000}) {
+      c.production_shapes.push_back({{"rows", rows}, {"classes", classes}});
+    }
   }
   return c;
 }
@@ -461,7 +465,8 @@ void define_cross_entropy(torch::Library& m) {
 }
 
 void register_cross_entropy(Dispatcher& d) {
-  g_op = d.add_op(cross_entropy_contract(), BackendDesc{"reference", BackendKind::kReference, nullptr, nullptr});
+  g_op = d.add_op(cross_entropy_contract(),
+                  BackendDesc{"reference", BackendKind::kReference, nullptr, nullptr});
   g_fwd[0] = reference_fwd;
   g_bwd[0] = reference_bwd;
   const size_t index = d.op(g_op).backends.size();

@@ -447,8 +447,9 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
 Tensor lce_autograd(c10::DispatchKeySet ks, const Tensor& hidden, const Tensor& weight,
                     const Tensor& target, const OptTensor& bias, int64_t ignore_index, double eps,
                     c10::string_view reduction) {
-  const bool needs_grad = at::GradMode::is_enabled() &&
-                          (hidden.requires_grad() || weight.requires_grad() || (bias && bias->requires_grad()));
+  const bool needs_grad =
+      at::GradMode::is_enabled() &&
+      (hidden.requires_grad() || weight.requires_grad() || (bias && bias->requires_grad()));
   if (needs_grad) {
     return LinearCrossEntropyFunction::apply(hidden, weight, target, bias, ignore_index, eps, reduction);
   }
@@ -504,7 +505,8 @@ void register_linear_cross_entropy(Dispatcher& d) {
     g_bwd[index] = bwd;
     d.add_backend(g_op, std::move(desc));
   };
-  add({"kernelgate_cpu", BackendKind::kKernelgate, nullptr, cpu_can_implement}, plan_fwd<kCpu>, plan_bwd<kCpu>);
+  add({"kernelgate_cpu", BackendKind::kKernelgate, nullptr, cpu_can_implement}, plan_fwd<kCpu>,
+      plan_bwd<kCpu>);
   add({"kernelgate_cpu_narrow_accum", BackendKind::kKernelgate, nullptr, cpu_can_implement},
       plan_fwd<kCpuNarrow>, plan_bwd<kCpuNarrow>);
 #ifdef KERNELGATE_WITH_CUDA
