@@ -18,7 +18,7 @@
 // the 16-bit input dtype (addmm, beta = 1) it is rounded once per chunk, and with LM target
 // statistics (Zipf-like targets) its error exceeds the oracle rule (2x the materialised
 // reference's error) for 8 chunks. So kernelgate_cpu / kernelgate_cuda accumulate in float32
-// (cuBLAS bf16 x bf16 -> float32 GEMMs) and round once: classes * hidden * 4 extra bytes,
+// (cublasGemmEx: 16-bit A, B, float32 C, beta = 1) and round once: classes * hidden * 4 extra bytes,
 // 2.1 GB at 128256 x 4096, half the materialised float32 logits and over the 10% memory
 // target. The *_narrow_accum backends accumulate in the input dtype instead (within the memory
 // target, error measured in tests/python/test_linear_cross_entropy.py): the evidence decides
@@ -99,16 +99,45 @@ struct Plan {
   bool f32_accum;   // grad_weight accumulated over chunks in float32 (see the file comment)
 };
 
-// out (+)= a @ b, float32 accumulation and output, for a, b in any float dtype.
-void mm_f32(Tensor& out, const Tensor& a, const Tensor& b, bool accumulate) {
-  if (a.scalar_type() == at::kFloat) {
-    accumulate ? out.addmm_(a, b) : at::mm_out(out, a, b);
-  } else if (out.is_cuda()) {
-    accumulate ? at::addmm_out(out, out, a, b, at::kFloat) : at::mm_out(out, a, b, at::kFloat);
-  } else {  // ATen's CPU GEMMs have no float32-output form for 16-bit inputs
-    Tensor p = at::mm(a.to(at::kFloat), b.to(at::kFloat));
-    accumulate ? out.add_(p) : out.copy_(p);
+#ifdef KERNELGATE_WITH_CUDA
+// out [V, H] (float32, contiguous) (+)= dl.T @ hc for 16-bit dl [c, V] and hc [c, H] with
+// unit-stride rows: one cuBLAS GEMM, float32 accumulation into a float32 C (beta = 1).
+// ATen's addmm with out_dtype wants C in the input dtype, so it cannot accumulate in float32.
+// Column-major view: out^T [H, V] = hc^T [H, c] @ dl [c, V].
+void gemm_dlt_h_f32_cuda(Tensor& out, const Tensor& dl, const Tensor& hc, bool accumulate) {
+  const int64_t c = dl.size(0), classes = dl.size(1), hidden = hc.size(1);
+  TORCH_INTERNAL_ASSERT(dl.stride(1) == 1 && hc.stride(1) == 1 && out.is_contiguous() &&
+                        out.scalar_type() == at::kFloat && dl.scalar_type() == hc.scalar_type());
+  if (classes == 0 || hidden == 0) return;
+  if (c == 0) {
+    if (!accumulate) out.zero_();
+    return;
   }
+  constexpr int64_t kMax = std::numeric_limits<int>::max();
+  TORCH_CHECK(classes <= kMax && hidden <= kMax && c <= kMax && dl.stride(0) <= kMax &&
+                  hc.stride(0) <= kMax,
+              kOp, ": sizes beyond 32-bit cuBLAS arguments");
+  const cudaDataType_t type = dl.scalar_type() == at::kBFloat16 ? CUDA_R_16BF : CUDA_R_16F;
+  const float alpha = 1.f, beta = accumulate ? 1.f : 0.f;
+  c10::cuda::CUDAGuard guard(out.device());
+  const cublasStatus_t st = cublasGemmEx(
+      at::cuda::getCurrentCUDABlasHandle(), CUBLAS_OP_N, CUBLAS_OP_T, int(hidden), int(classes),
+      int(c), &alpha, hc.const_data_ptr(), type, int(hc.stride(0)), dl.const_data_ptr(), type,
+      int(dl.stride(0)), &beta, out.data_ptr(), CUDA_R_32F, int(hidden), CUBLAS_COMPUTE_32F,
+      CUBLAS_GEMM_DEFAULT);
+  TORCH_CHECK(st == CUBLAS_STATUS_SUCCESS, kOp, ": cuBLAS GEMM for grad_weight failed: ",
+              cublasGetStatusString(st));
+}
+#endif
+
+// out (+)= dl.T @ hc, float32 accumulation and output, for 16-bit dl and hc.
+void grad_weight_f32(Tensor& out, const Tensor& dl, const Tensor& hc, bool accumulate) {
+#ifdef KERNELGATE_WITH_CUDA
+  if (out.is_cuda()) return gemm_dlt_h_f32_cuda(out, dl, hc, accumulate);
+#endif
+  // ATen has no float32-output GEMM of 16-bit inputs on the CPU: upcast (exact) and multiply.
+  Tensor p = at::mm(dl.t().to(at::kFloat), hc.to(at::kFloat));
+  accumulate ? out.add_(p) : out.copy_(p);
 }
 
 // The chunk loop. stats: row losses and lse are computed (forward); otherwise `lse_in` is used
@@ -168,7 +197,7 @@ LoopResult chunk_loop(const Args& a, const Plan& plan, int64_t chunk, bool stats
       if (gw_acc.scalar_type() == h.scalar_type()) {
         s == 0 ? at::mm_out(gw_acc, lc.t(), hc) : gw_acc.addmm_(lc.t(), hc);
       } else {
-        mm_f32(gw_acc, lc.t(), hc, /*accumulate=*/s > 0);
+        grad_weight_f32(gw_acc, lc, hc, /*accumulate=*/s > 0);
       }
     }
     if (gb32.defined()) gb32.add_(at::sum(lc, {0}, false, at::kFloat));
