@@ -80,9 +80,9 @@ struct OpContract {
   // the value's index is the call's variant (CallView::variant).
   std::vector<std::pair<std::string, std::vector<std::string>>> variant_args;
   std::vector<std::map<std::string, int64_t>> production_shapes;
-  // The stem of the files that build this op's backends (src/ops/<stem>.cpp,
-  // src/kernels/<stem>*): their hash, with the shared kernel and harness files, is the op's
-  // source hash in stored evidence. Empty: the op's name.
+  // The stems of the files that build this op's backends, comma-separated (src/ops/<stem>.cpp,
+  // src/ops/<stem>_*, src/kernels/<stem>.*, src/kernels/<stem>_*): their hash, with the shared
+  // kernel and harness files, is the op's source hash in stored evidence. Empty: the op's name.
   std::string source_stem;
 
   // Filled by parse_dims() (Registry::add_op calls it).

@@ -49,6 +49,23 @@ std::tuple<at::Tensor, at::Tensor> qk_norm_rope(const at::Tensor& q, const at::T
                                                 const at::Tensor& q_weight, const at::Tensor& k_weight,
                                                 const at::Tensor& cos, const at::Tensor& sin,
                                                 double eps = 1e-6);
+// Cross-entropy of logits [rows, classes] against target [rows] (int64 or int32), float32 math,
+// like torch.nn.functional.cross_entropy: rows whose target is ignore_index count for nothing;
+// label_smoothing in [0, 1]; reduction "mean" (over the rows not ignored: NaN when all are),
+// "sum" or "none" (per-row loss, 0 for ignored rows); loss in logits' dtype. On CUDA an
+// out-of-range target gives a NaN loss (and NaN gradient row) instead of an error.
+at::Tensor cross_entropy(const at::Tensor& logits, const at::Tensor& target,
+                         int64_t ignore_index = -100, double label_smoothing = 0.0,
+                         c10::string_view reduction = "mean");
+
+// cross_entropy(hidden @ weight.T + bias, target, ...) without materialising the float32
+// logits (hidden [rows, hidden], weight [classes, hidden], bias [classes]); gradients for
+// hidden, weight and bias.
+at::Tensor linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight,
+                                const at::Tensor& target,
+                                const std::optional<at::Tensor>& bias = std::nullopt,
+                                int64_t ignore_index = -100, double label_smoothing = 0.0,
+                                c10::string_view reduction = "mean");
 
 // A typed rms_norm backend. Forward returns (y, rstd): rstd float32 of x.shape[:-1], and may be
 // undefined when want_rstd is false. Backward returns (dx, dweight): dweight an empty tensor
@@ -80,5 +97,11 @@ OpContract rope_contract();
 OpContract qk_norm_rope_contract();
 void define_rope(torch::Library& m);
 void register_rope_ops(Dispatcher& d);
+OpContract cross_entropy_contract();
+void define_cross_entropy(torch::Library& m);
+void register_cross_entropy(Dispatcher& d);
+OpContract linear_cross_entropy_contract();
+void define_linear_cross_entropy(torch::Library& m);
+void register_linear_cross_entropy(Dispatcher& d);
 
 }  // namespace kernelgate

@@ -15,12 +15,14 @@ from ._logging import install_log_hook
 from ._ops import geglu, rms_norm, swiglu
 from ._ops import add_rms_norm, layer_norm
 from ._ops import qk_norm_rope, rope
+from ._ops import cross_entropy, linear_cross_entropy
 from . import evidence, policy
 
 __version__ = "0.1.0"
 __all__ = ["rms_norm", "swiglu", "geglu", "explain", "ops", "use", "policy", "evidence", "Explanation", "__version__"]
 __all__ += ["add_rms_norm", "layer_norm"]
 __all__ += ["rope", "qk_norm_rope"]
+__all__ += ["cross_entropy", "linear_cross_entropy"]
 
 install_log_hook()
 evidence.install()

@@ -11,6 +11,8 @@ _add_rms_norm = torch.ops.kernelgate.add_rms_norm.default
 _layer_norm = torch.ops.kernelgate.layer_norm.default
 _rope = torch.ops.kernelgate.rope.default
 _qk_norm_rope = torch.ops.kernelgate.qk_norm_rope.default
+_cross_entropy = torch.ops.kernelgate.cross_entropy.default
+_linear_cross_entropy = torch.ops.kernelgate.linear_cross_entropy.default
 
 
 def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, eps: float = 1e-6) -> torch.Tensor:
@@ -81,3 +83,40 @@ def qk_norm_rope(
     and k_weight; cos and sin are constants.
     """
     return _qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps)
+
+
+def cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+) -> torch.Tensor:
+    """torch.nn.functional.cross_entropy of 2-D logits [rows, classes] against target [rows]
+    (int64 or int32), float32 math, loss in logits' dtype.
+
+    reduction "mean" averages over the rows whose target is not ignore_index (NaN when every row
+    is ignored, as F.cross_entropy), "sum" sums, "none" gives per-row losses (0 for ignored rows).
+    label_smoothing in [0, 1]. A target outside [0, classes) is an error on the CPU; on CUDA its
+    row's loss (and gradient) is NaN, since checking would need a device sync.
+    """
+    return _cross_entropy(logits, target, ignore_index, label_smoothing, reduction)
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+) -> torch.Tensor:
+    """cross_entropy(hidden @ weight.T + bias, target, ...) computed in chunks of rows, never
+    holding the float32 logits: hidden [rows, hidden], weight [classes, hidden], bias [classes].
+
+    With gradients on and reduction "mean" or "sum", the forward also computes the gradients
+    (hidden, weight, bias) and the backward scales them; backward through the same graph a
+    second time (retain_graph=True) is refused for these reductions.
+    """
+    return _linear_cross_entropy(hidden, weight, target, bias, ignore_index, label_smoothing, reduction)

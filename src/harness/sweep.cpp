@@ -10,6 +10,7 @@
 #include <chrono>
 #include <mutex>
 #include <cmath>
+#include <cstdio>
 #include <set>
 #include <stdexcept>
 
@@ -54,11 +55,10 @@ void load_backend_plugin(const std::string& path) {
   loaded.insert(path);
 }
 
-std::string op_source_hash(const std::string& op) {
-  const OpEntry* e = op.empty() ? nullptr : Dispatcher::get().find_op(op);
-  if (e == nullptr) return KERNELGATE_SOURCE_HASH;
-  const std::string stem = e->contract.source_stem.empty() ? op : e->contract.source_stem;
-  // "stem=hash," per op family, from CMakeLists.txt.
+namespace {
+
+// The hash of one stem from the "stem=hash," table CMakeLists.txt builds; "" if absent.
+std::string stem_hash(const std::string& stem) {
   const std::string table = KERNELGATE_OP_SOURCE_HASHES;
   const std::string needle = stem + "=";
   for (size_t at = 0; at < table.size();) {
@@ -69,7 +69,30 @@ std::string op_source_hash(const std::string& op) {
     }
     at = end + 1;
   }
-  return KERNELGATE_SOURCE_HASH;  // an op outside the table: the whole build's hash
+  return "";
+}
+
+}  // namespace
+
+std::string op_source_hash(const std::string& op) {
+  const OpEntry* e = op.empty() ? nullptr : Dispatcher::get().find_op(op);
+  if (e == nullptr) return KERNELGATE_SOURCE_HASH;
+  const std::string stems = e->contract.source_stem.empty() ? op : e->contract.source_stem;
+  std::string combined;
+  size_t count = 0;
+  for (size_t at = 0; at <= stems.size(); ++count) {
+    size_t end = std::min(stems.find(',', at), stems.size());
+    const std::string h = stem_hash(stems.substr(at, end - at));
+    if (h.empty()) return KERNELGATE_SOURCE_HASH;  // a stem outside the table: the build's hash
+    combined += h;
+    at = end + 1;
+  }
+  if (count == 1) return combined;
+  uint64_t fnv = 1469598103934665603ull;  // several stems: one stable 64-bit hash of theirs
+  for (unsigned char ch : combined) fnv = (fnv ^ ch) * 1099511628211ull;
+  char buf[17];
+  std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(fnv));
+  return buf;
 }
 
 store::Fingerprint current_fingerprint(const std::string& op) {

@@ -310,6 +310,7 @@ std::tuple<Tensor, Tensor> add_rms_norm_autograd(c10::DispatchKeySet ks, const T
 OpContract add_rms_norm_contract() {
   OpContract c;
   c.name = "add_rms_norm";
+  c.source_stem = "add_rms_norm,norm_rows";
   c.schema =
       "add_rms_norm(Tensor x, Tensor residual, Tensor? weight=None, float eps=1e-06) -> "
       "(Tensor, Tensor)";

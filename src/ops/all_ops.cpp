@@ -25,6 +25,8 @@ void register_builtin_ops(Dispatcher& d) {
   register_add_rms_norm(d);
   register_layer_norm(d);
   register_rope_ops(d);
+  register_cross_entropy(d);
+  register_linear_cross_entropy(d);
 }
 
 TORCH_LIBRARY(kernelgate, m) {
@@ -33,6 +35,8 @@ TORCH_LIBRARY(kernelgate, m) {
   define_add_rms_norm(m);
   define_layer_norm(m);
   define_rope(m);
+  define_cross_entropy(m);
+  define_linear_cross_entropy(m);
 }
 
 }  // namespace kernelgate

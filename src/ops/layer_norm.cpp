@@ -322,6 +322,7 @@ Tensor layer_norm_autograd(c10::DispatchKeySet ks, const Tensor& x, const OptTen
 OpContract layer_norm_contract() {
   OpContract c;
   c.name = "layer_norm";
+  c.source_stem = "layer_norm,norm_rows";
   c.schema =
       "layer_norm(Tensor x, Tensor? weight=None, Tensor? bias=None, float eps=1e-05) -> Tensor";
   c.dims = "x: [*rows, hidden]; weight?: [hidden]; bias?: [hidden]";

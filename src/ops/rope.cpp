@@ -552,6 +552,7 @@ OpContract rope_contract() {
 OpContract qk_norm_rope_contract() {
   OpContract c;
   c.name = "qk_norm_rope";
+  c.source_stem = "rope";
   c.schema = "qk_norm_rope(Tensor q, Tensor k, Tensor q_weight, Tensor k_weight, Tensor cos, "
              "Tensor sin, float eps=1e-06) -> (Tensor, Tensor)";
   c.dims = "q: [batch, q_heads, seq, head_dim]; k: [batch, kv_heads, seq, head_dim]; "

@@ -1,0 +1,589 @@
+// linear_cross_entropy: cross_entropy(hidden @ weight.T + bias, target) without the float32
+// logits. Contract, backends (reference, kernelgate_cpu, kernelgate_cuda), routers, Meta and
+// autograd.
+//
+// Every backend runs one chunk loop (below) over blocks of rows:
+//   logits_c = hidden_c @ weight.T (+ bias)         cuBLAS / ATen, in the input dtype
+//   chunk step: row losses and lse; in training, logits_c overwritten in place with dlogits
+//   grad_hidden_c = dlogits @ weight;  grad_weight += dlogits.T @ hidden_c;  grad_bias += sums
+// The step is ATen (reference, kernelgate_cpu) or our CUDA kernel (kernelgate_cuda); the
+// reference runs the loop as one chunk, i.e. with materialised logits.
+//
+// Training with reduction "mean" / "sum": the forward computes the gradients for a unit
+// cotangent, and the backward scales them, in place, by the incoming scalar. Reduction "none"
+// has a per-row cotangent, so its backward (_linear_cross_entropy_bwd) recomputes each chunk's
+// logits from the saved lse.
+//
+// grad_weight precision: grad_weight sums every chunk's dlogits.T @ hidden_c. Accumulated in
+// the 16-bit input dtype (addmm, beta = 1) it is rounded once per chunk, and with LM target
+// statistics (Zipf-like targets) its error exceeds the oracle rule (2x the materialised
+// reference's error) for 8 chunks. So kernelgate_cpu / kernelgate_cuda accumulate in float32
+// (cublasGemmEx: 16-bit A, B, float32 C, beta = 1) and round once: classes * hidden * 4 extra bytes,
+// 2.1 GB at 128256 x 4096, half the materialised float32 logits and over the 10% memory
+// target. The *_narrow_accum backends accumulate in the input dtype instead (within the memory
+// target, error measured in tests/python/test_linear_cross_entropy.py): the evidence decides
+// where they are correct.
+#include <ATen/ATen.h>
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <limits>
+
+#include "kernelgate/dispatch.h"
+#include "kernelgate/kernelgate.h"
+#include "ops/cross_entropy_common.h"
+#include "ops/op_util.h"
+
+namespace kernelgate {
+namespace {
+
+using at::Tensor;
+using OptTensor = std::optional<Tensor>;
+using ce::CeReduction;
+
+constexpr const char* kOp = "linear_cross_entropy";
+
+// Rows per chunk when set (> 0); tests use it to make small shapes take several chunks.
+std::atomic<int64_t> g_chunk_rows_override{0};
+
+struct GradMask {
+  bool hidden = false, weight = false, bias = false;
+  bool any() const { return hidden || weight || bias; }
+};
+
+struct Args {
+  const Tensor& hidden;
+  const Tensor& weight;
+  const Tensor& target;
+  const OptTensor& bias;
+  int64_t ignore_index;
+  double eps;
+  CeReduction red;
+};
+
+// (loss, lse, grad_hidden, grad_weight, grad_bias); gradients for a unit cotangent, only for
+// "mean" / "sum" and the inputs in the mask, else empty [0] tensors. lse: float32 [rows].
+using Fwd = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> (*)(const Args& a, GradMask need);
+// (grad_hidden, grad_weight, grad_bias) for cotangent dloss, from the forward's lse.
+using Bwd = std::tuple<Tensor, Tensor, Tensor> (*)(const Tensor& dloss, const Args& a,
+                                                   const Tensor& lse, GradMask need);
+
+OpId g_op = kNoOp;
+std::array<Fwd, kMaxBackends> g_fwd{};
+std::array<Bwd, kMaxBackends> g_bwd{};
+
+Tensor no_grad_tensor(const Tensor& like) { return at::empty({0}, like.options()); }
+
+// Rows per chunk: the logits buffer (chunk x classes in the input dtype) is at most 1/16 of the
+// materialised float32 logits (rows x classes x 4), or 32 MiB where that allows more (small
+// problems gain nothing from small GEMMs); a multiple of 64 rows where it is large.
+int64_t auto_chunk_rows(int64_t rows, int64_t classes, int64_t elem) {
+  const int64_t overridden = g_chunk_rows_override.load(std::memory_order_relaxed);
+  if (overridden > 0) return overridden;
+  const int64_t by_budget = rows / (4 * elem);
+  const int64_t by_floor = (int64_t{32} << 20) / std::max<int64_t>(1, classes * elem);
+  int64_t c = std::max<int64_t>({by_budget, by_floor, 1});
+  if (c >= 128) c = c / 64 * 64;
+  return std::min(c, std::max<int64_t>(rows, 1));
+}
+
+struct LoopResult {
+  Tensor row_loss, lse, gh, gw, gb;
+};
+
+// How a backend runs the loop.
+struct Plan {
+  ce::ChunkStepFn step;
+  bool chunked;     // false: one chunk (materialised logits)
+  bool f32_accum;   // grad_weight accumulated over chunks in float32 (see the file comment)
+};
+
+#ifdef KERNELGATE_WITH_CUDA
+// out [V, H] (float32, contiguous) (+)= dl.T @ hc for 16-bit dl [c, V] and hc [c, H] with
+// unit-stride rows: one cuBLAS GEMM, float32 accumulation into a float32 C (beta = 1).
+// ATen's addmm with out_dtype wants C in the input dtype, so it cannot accumulate in float32.
+// Column-major view: out^T [H, V] = hc^T [H, c] @ dl [c, V].
+void gemm_dlt_h_f32_cuda(Tensor& out, const Tensor& dl, const Tensor& hc, bool accumulate) {
+  const int64_t c = dl.size(0), classes = dl.size(1), hidden = hc.size(1);
+  TORCH_INTERNAL_ASSERT(dl.stride(1) == 1 && hc.stride(1) == 1 && out.is_contiguous() &&
+                        out.scalar_type() == at::kFloat && dl.scalar_type() == hc.scalar_type());
+  if (classes == 0 || hidden == 0) return;
+  if (c == 0) {
+    if (!accumulate) out.zero_();
+    return;
+  }
+  constexpr int64_t kMax = std::numeric_limits<int>::max();
+  TORCH_CHECK(classes <= kMax && hidden <= kMax && c <= kMax && dl.stride(0) <= kMax &&
+                  hc.stride(0) <= kMax,
+              kOp, ": sizes beyond 32-bit cuBLAS arguments");
+  const cudaDataType_t type = dl.scalar_type() == at::kBFloat16 ? CUDA_R_16BF : CUDA_R_16F;
+  const float alpha = 1.f, beta = accumulate ? 1.f : 0.f;
+  c10::cuda::CUDAGuard guard(out.device());
+  const cublasStatus_t st = cublasGemmEx(
+      at::cuda::getCurrentCUDABlasHandle(), CUBLAS_OP_N, CUBLAS_OP_T, int(hidden), int(classes),
+      int(c), &alpha, hc.const_data_ptr(), type, int(hc.stride(0)), dl.const_data_ptr(), type,
+      int(dl.stride(0)), &beta, out.data_ptr(), CUDA_R_32F, int(hidden), CUBLAS_COMPUTE_32F,
+      CUBLAS_GEMM_DEFAULT);
+  TORCH_CHECK(st == CUBLAS_STATUS_SUCCESS, kOp, ": cuBLAS GEMM for grad_weight failed: ",
+              cublasGetStatusString(st));
+}
+#endif
+
+// out (+)= dl.T @ hc, float32 accumulation and output, for 16-bit dl and hc.
+void grad_weight_f32(Tensor& out, const Tensor& dl, const Tensor& hc, bool accumulate) {
+#ifdef KERNELGATE_WITH_CUDA
+  if (out.is_cuda()) return gemm_dlt_h_f32_cuda(out, dl, hc, accumulate);
+#endif
+  // ATen has no float32-output GEMM of 16-bit inputs on the CPU: upcast (exact) and multiply.
+  Tensor p = at::mm(dl.t().to(at::kFloat), hc.to(at::kFloat));
+  accumulate ? out.add_(p) : out.copy_(p);
+}
+
+// The chunk loop. stats: row losses and lse are computed (forward); otherwise `lse_in` is used
+// (backward). grad: gradients for the mask, with cotangent dloss (undefined: 1).
+LoopResult chunk_loop(const Args& a, const Plan& plan, int64_t chunk, bool stats, bool grad,
+                      GradMask need, const Tensor& dloss, const Tensor& lse_in,
+                      const Tensor& n_valid) {
+  const Tensor h = a.hidden.contiguous(), w = a.weight.contiguous(), t = a.target.contiguous();
+  const Tensor b = a.bias ? a.bias->contiguous() : Tensor();
+  const int64_t rows = h.size(0), classes = w.size(0);
+  const auto f32 = h.options().dtype(at::kFloat);
+  LoopResult r;
+  r.lse = stats ? at::empty({rows}, f32) : lse_in.contiguous();
+  if (stats) r.row_loss = at::empty({rows}, f32);
+  grad = grad && need.any();
+  r.gh = grad && need.hidden ? at::empty_like(h) : no_grad_tensor(h);
+  r.gw = no_grad_tensor(h);
+  r.gb = no_grad_tensor(h);
+  if (!stats && !grad) return r;  // a backward that wants no gradient
+  // grad_weight's accumulator: the output itself, or float32 [classes, hidden].
+  Tensor gw_acc;
+  if (grad && need.weight) {
+    const bool f32_acc = plan.f32_accum && h.scalar_type() != at::kFloat;
+    gw_acc = at::empty(w.sizes(), f32_acc ? f32 : h.options());
+    if (rows == 0) gw_acc.zero_();
+  }
+  Tensor gb32 = grad && need.bias && b.defined() ? at::zeros({classes}, f32) : Tensor();
+  chunk = std::max<int64_t>(1, std::min(chunk, rows));
+  Tensor buf = at::empty({rows == 0 ? 0 : chunk, classes}, h.options());
+  const Tensor wt = w.t();
+  for (int64_t s = 0; s < rows; s += chunk) {
+    const int64_t n = std::min(chunk, rows - s);
+    Tensor hc = h.narrow(0, s, n), lc = buf.narrow(0, 0, n);
+    if (b.defined()) {
+      at::addmm_out(lc, b, hc, wt);
+    } else {
+      at::mm_out(lc, hc, wt);
+    }
+    ce::ChunkStep st;
+    st.logits = lc;
+    st.target = t.narrow(0, s, n);
+    st.lse = r.lse.narrow(0, s, n);
+    if (stats) st.row_loss = r.row_loss.narrow(0, s, n);
+    st.stats = stats;
+    if (grad) st.grad_out = lc;  // in place: lc becomes dlogits
+    if (dloss.defined()) st.dloss = dloss.dim() == 1 ? dloss.narrow(0, s, n) : dloss;
+    if (a.red == CeReduction::kMean) st.n_valid = n_valid;
+    st.ignore_index = a.ignore_index;
+    st.label_smoothing = a.eps;
+    plan.step(st);
+    if (!grad) continue;
+    if (need.hidden) {
+      Tensor ghc = r.gh.narrow(0, s, n);
+      at::mm_out(ghc, lc, w);
+    }
+    if (gw_acc.defined()) {
+      if (gw_acc.scalar_type() == h.scalar_type()) {
+        s == 0 ? at::mm_out(gw_acc, lc.t(), hc) : gw_acc.addmm_(lc.t(), hc);
+      } else {
+        grad_weight_f32(gw_acc, lc, hc, /*accumulate=*/s > 0);
+      }
+    }
+    if (gb32.defined()) gb32.add_(at::sum(lc, {0}, false, at::kFloat));
+  }
+  if (gw_acc.defined()) r.gw = gw_acc.scalar_type() == h.scalar_type() ? gw_acc : gw_acc.to(h.scalar_type());
+  if (gb32.defined()) r.gb = gb32.to(h.scalar_type());
+  return r;
+}
+
+Tensor n_valid_for(const Args& a) {
+  return a.red == CeReduction::kMean ? ce::count_valid(a.target, a.ignore_index) : Tensor();
+}
+
+int64_t chunk_for(const Args& a, const Plan& plan) {
+  if (!plan.chunked) return a.hidden.size(0);
+  return auto_chunk_rows(a.hidden.size(0), a.weight.size(0), a.hidden.element_size());
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> loop_fwd(const Args& a, GradMask need, const Plan& plan) {
+  const Tensor n_valid = n_valid_for(a);
+  const bool grad = a.red != CeReduction::kNone && need.any();
+  LoopResult r = chunk_loop(a, plan, chunk_for(a, plan), /*stats=*/true, grad, need, Tensor(),
+                            Tensor(), n_valid);
+  Tensor loss = ce::reduce_rows(r.row_loss, a.red, n_valid).to(a.hidden.scalar_type());
+  return {loss, r.lse, r.gh, r.gw, r.gb};
+}
+
+std::tuple<Tensor, Tensor, Tensor> loop_bwd(const Tensor& dloss, const Args& a, const Tensor& lse,
+                                            GradMask need, const Plan& plan) {
+  LoopResult r = chunk_loop(a, plan, chunk_for(a, plan), /*stats=*/false, /*grad=*/true, need,
+                            dloss, lse, n_valid_for(a));
+  return {r.gh, r.gw, r.gb};
+}
+
+// One typed backend per plan.
+template <const Plan& P>
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> plan_fwd(const Args& a, GradMask need) {
+  return loop_fwd(a, need, P);
+}
+template <const Plan& P>
+std::tuple<Tensor, Tensor, Tensor> plan_bwd(const Tensor& dloss, const Args& a, const Tensor& lse,
+                                            GradMask need) {
+  return loop_bwd(dloss, a, lse, need, P);
+}
+
+// reference: materialised logits (one chunk), ATen step. kernelgate_cpu: chunked, ATen step.
+// kernelgate_cuda: chunked, our CUDA step. The *_narrow_accum variants accumulate grad_weight in
+// the input dtype: no float32 [classes, hidden] buffer, one rounding per chunk.
+constexpr Plan kReference{ce::aten_chunk_step, false, false};
+constexpr Plan kCpu{ce::aten_chunk_step, true, true};
+constexpr Plan kCpuNarrow{ce::aten_chunk_step, true, false};
+
+Support cpu_can_implement(const CallView& call) {
+  if (!call.tensors[0]->is_cpu()) return Support::no("hidden is not on the CPU");
+  return Support::yes();
+}
+
+#ifdef KERNELGATE_WITH_CUDA
+constexpr Plan kCuda{ce::cuda_chunk_step, true, true};
+constexpr Plan kCudaNarrow{ce::cuda_chunk_step, true, false};
+
+Support cuda_can_implement(const CallView& call) {
+  const Tensor& h = *call.tensors[0];
+  if (!h.is_cuda()) return Support::no("hidden is not on a CUDA device");
+  if (cuda_arch(h.get_device()) < 80) return Support::no("needs compute capability 8.0 or newer");
+  if (call.tensors[1]->size(0) > std::numeric_limits<int>::max() / 2) {
+    return Support::no("more than 2^30 classes");
+  }
+  return Support::yes();
+}
+#endif
+
+// ---- routers, Meta, autograd
+
+CallView make_call(const Tensor& hidden, const Tensor& weight, const Tensor& target,
+                   const OptTensor& bias, CeReduction red, bool grad) {
+  CallView call;
+  call.num_tensors = 4;
+  call.tensors = {&hidden, &weight, &target, bias ? &*bias : nullptr};
+  call.grad = grad;
+  call.variant = static_cast<uint16_t>(red);
+  return call;
+}
+
+BoundDims check(const CallView& call, int64_t ignore_index, double eps) {
+  BoundDims dims = check_call(Dispatcher::get().op(g_op).contract, call);
+  const Tensor& weight = *call.tensors[1];
+  ce::check_scalars(kOp, "weight.size(0)", call.tensors[0]->size(0), weight.size(0), eps);
+  ce::check_targets_on_cpu(kOp, *call.tensors[2], weight.size(0), ignore_index);
+  return dims;
+}
+
+int route(const Args& a, bool grad) {
+  CallView call = make_call(a.hidden, a.weight, a.target, a.bias, a.red, grad);
+  BoundDims dims = check(call, a.ignore_index, a.eps);
+  return Dispatcher::get().select(g_op, call, dims);
+}
+
+Tensor lce_router(const Tensor& hidden, const Tensor& weight, const Tensor& target,
+                  const OptTensor& bias, int64_t ignore_index, double eps, c10::string_view reduction) {
+  Args a{hidden, weight, target, bias, ignore_index, eps, ce::parse_reduction(kOp, reduction)};
+  return std::get<0>(g_fwd[route(a, /*grad=*/false)](a, GradMask{}));
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> lce_fwd_router(
+    const Tensor& hidden, const Tensor& weight, const Tensor& target, const OptTensor& bias,
+    int64_t ignore_index, double eps, c10::string_view reduction, bool hidden_grad,
+    bool weight_grad, bool bias_grad) {
+  Args a{hidden, weight, target, bias, ignore_index, eps, ce::parse_reduction(kOp, reduction)};
+  return g_fwd[route(a, /*grad=*/true)](a, GradMask{hidden_grad, weight_grad, bias_grad});
+}
+
+void check_bwd_args(const Tensor& dloss, const Args& a, const Tensor& lse) {
+  const int64_t rows = a.hidden.size(0);
+  const bool none = a.red == CeReduction::kNone;
+  TORCH_CHECK(none ? (dloss.dim() == 1 && dloss.size(0) == rows) : dloss.dim() == 0, kOp,
+              " backward: grad must have the loss's shape (", none ? "[rows]" : "[]", "), got ",
+              dloss.sizes());
+  TORCH_CHECK(dloss.scalar_type() == a.hidden.scalar_type(), kOp, " backward: grad must have dtype ",
+              a.hidden.scalar_type(), ", got ", dloss.scalar_type());
+  TORCH_CHECK(lse.dim() == 1 && lse.size(0) == rows && lse.scalar_type() == at::kFloat, kOp,
+              " backward: lse must be float32 [rows]");
+}
+
+std::tuple<Tensor, Tensor, Tensor> lce_bwd_router(const Tensor& dloss, const Tensor& hidden,
+                                                  const Tensor& weight, const Tensor& target,
+                                                  const OptTensor& bias, const Tensor& lse,
+                                                  int64_t ignore_index, double eps,
+                                                  c10::string_view reduction, bool hidden_grad,
+                                                  bool weight_grad, bool bias_grad) {
+  Args a{hidden, weight, target, bias, ignore_index, eps, ce::parse_reduction(kOp, reduction)};
+  check_bwd_args(dloss, a, lse);
+  return g_bwd[route(a, /*grad=*/true)](dloss, a, lse, GradMask{hidden_grad, weight_grad, bias_grad});
+}
+
+// Meta: the same checks and the shapes the backends return.
+std::tuple<Tensor, Tensor, Tensor> grads_meta(bool grad, GradMask need, const Tensor& hidden,
+                                              const Tensor& weight, const OptTensor& bias) {
+  auto make = [&](bool wanted, at::IntArrayRef sizes) {
+    return grad && wanted ? at::empty(sizes, hidden.options()) : no_grad_tensor(hidden);
+  };
+  return {make(need.hidden, hidden.sizes()), make(need.weight, weight.sizes()),
+          make(need.bias && bias.has_value(), {weight.size(0)})};
+}
+
+Tensor lce_meta(const Tensor& hidden, const Tensor& weight, const Tensor& target,
+                const OptTensor& bias, int64_t ignore_index, double eps, c10::string_view reduction) {
+  const CeReduction red = ce::parse_reduction(kOp, reduction);
+  check(make_call(hidden, weight, target, bias, red, false), ignore_index, eps);
+  return red == CeReduction::kNone ? at::empty({hidden.size(0)}, hidden.options())
+                                   : at::empty({}, hidden.options());
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> lce_fwd_meta(
+    const Tensor& hidden, const Tensor& weight, const Tensor& target, const OptTensor& bias,
+    int64_t ignore_index, double eps, c10::string_view reduction, bool hidden_grad,
+    bool weight_grad, bool bias_grad) {
+  Tensor loss = lce_meta(hidden, weight, target, bias, ignore_index, eps, reduction);
+  const bool grad = ce::parse_reduction(kOp, reduction) != CeReduction::kNone &&
+                    (hidden_grad || weight_grad || bias_grad);
+  auto [gh, gw, gb] = grads_meta(grad, {hidden_grad, weight_grad, bias_grad}, hidden, weight, bias);
+  return {loss, at::empty({hidden.size(0)}, hidden.options().dtype(at::kFloat)), gh, gw, gb};
+}
+
+std::tuple<Tensor, Tensor, Tensor> lce_bwd_meta(const Tensor& dloss, const Tensor& hidden,
+                                                const Tensor& weight, const Tensor& target,
+                                                const OptTensor& bias, const Tensor& lse,
+                                                int64_t ignore_index, double eps,
+                                                c10::string_view reduction, bool hidden_grad,
+                                                bool weight_grad, bool bias_grad) {
+  Args a{hidden, weight, target, bias, ignore_index, eps, ce::parse_reduction(kOp, reduction)};
+  check_bwd_args(dloss, a, lse);
+  return grads_meta(true, {hidden_grad, weight_grad, bias_grad}, hidden, weight, bias);
+}
+
+Tensor lce_reference_op(const Tensor& hidden, const Tensor& weight, const Tensor& target,
+                        const OptTensor& bias, int64_t ignore_index, double eps,
+                        c10::string_view reduction) {
+  const CeReduction red = ce::parse_reduction(kOp, reduction);
+  ce::check_scalars(kOp, "weight.size(0)", hidden.size(0), weight.size(0), eps);
+  ce::check_targets_on_cpu(kOp, target, weight.size(0), ignore_index);
+  Tensor logits = bias ? at::addmm(*bias, hidden, weight.t()) : at::mm(hidden, weight.t());
+  return ce::reference_loss(logits, target, ignore_index, eps, red);
+}
+
+int64_t set_chunk_rows(int64_t rows) {
+  TORCH_CHECK(rows >= 0, kOp, ": chunk rows must be >= 0 (0: automatic), got ", rows);
+  return g_chunk_rows_override.exchange(rows);
+}
+
+auto& op_handle() {
+  static auto h = c10::Dispatcher::singleton()
+                      .findSchemaOrThrow("kernelgate::linear_cross_entropy", "")
+                      .typed<Tensor(const Tensor&, const Tensor&, const Tensor&, const OptTensor&,
+                                    int64_t, double, c10::string_view)>();
+  return h;
+}
+
+auto& fwd_handle() {
+  static auto h = c10::Dispatcher::singleton()
+                      .findSchemaOrThrow("kernelgate::_linear_cross_entropy_fwd", "")
+                      .typed<std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>(
+                          const Tensor&, const Tensor&, const Tensor&, const OptTensor&, int64_t,
+                          double, c10::string_view, bool, bool, bool)>();
+  return h;
+}
+
+auto& bwd_handle() {
+  static auto h = c10::Dispatcher::singleton()
+                      .findSchemaOrThrow("kernelgate::_linear_cross_entropy_bwd", "")
+                      .typed<std::tuple<Tensor, Tensor, Tensor>(
+                          const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                          const OptTensor&, const Tensor&, int64_t, double, c10::string_view, bool,
+                          bool, bool)>();
+  return h;
+}
+
+class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossEntropyFunction> {
+ public:
+  static Tensor forward(torch::autograd::AutogradContext* ctx, const Tensor& hidden,
+                        const Tensor& weight, const Tensor& target, const OptTensor& bias,
+                        int64_t ignore_index, double eps, c10::string_view reduction) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    const GradMask need{hidden.requires_grad(), weight.requires_grad(), bias && bias->requires_grad()};
+    auto [loss, lse, gh, gw, gb] = fwd_handle().call(hidden, weight, target, bias, ignore_index,
+                                                     eps, reduction, need.hidden, need.weight, need.bias);
+    const bool precomputed = ce::parse_reduction(kOp, reduction) != CeReduction::kNone;
+    if (precomputed) {
+      ctx->save_for_backward({gh, gw, gb});
+    } else {
+      ctx->save_for_backward({hidden, weight, target, bias.value_or(Tensor()), lse});
+      ctx->saved_data["ignore_index"] = ignore_index;
+      ctx->saved_data["label_smoothing"] = eps;
+    }
+    ctx->saved_data["precomputed"] = precomputed;
+    ctx->saved_data["has_bias"] = bias.has_value();
+    ctx->saved_data["consumed"] = false;
+    ctx->saved_data["need"] = std::vector<bool>{need.hidden, need.weight, need.bias};
+    return loss;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    torch::autograd::variable_list out(7);
+    const Tensor& dloss = grads[0];
+    if (!dloss.defined()) return out;
+    auto need_list = ctx->saved_data["need"].toBoolList();
+    const GradMask need{need_list[0], need_list[1], need_list[2]};
+    const bool precomputed = ctx->saved_data["precomputed"].toBool();
+    // The forward's gradients are scaled in place: a second backward through this graph would
+    // scale them again, so it is refused (before unpacking, whose version check would fire first).
+    TORCH_CHECK(!precomputed || !ctx->saved_data["consumed"].toBool(), kOp,
+                ": backward through the same graph twice is not supported with reduction 'mean' "
+                "or 'sum' (the forward computes the gradients and the first backward consumes "
+                "them); recompute the loss instead of retain_graph=True");
+    auto s = ctx->get_saved_variables();
+    Tensor gh, gw, gb;
+    if (precomputed) {
+      ctx->saved_data["consumed"] = true;
+      gh = s[0], gw = s[1], gb = s[2];
+      for (Tensor* g : {&gh, &gw, &gb})
+        if (g->numel() > 0) g->mul_(dloss);
+    } else {
+      OptTensor bias = ctx->saved_data["has_bias"].toBool() ? OptTensor(s[3]) : std::nullopt;
+      std::tie(gh, gw, gb) = bwd_handle().call(
+          dloss, s[0], s[1], s[2], bias, s[4], ctx->saved_data["ignore_index"].toInt(),
+          ctx->saved_data["label_smoothing"].toDouble(), "none", need.hidden, need.weight, need.bias);
+    }
+    out[0] = need.hidden ? gh : Tensor();
+    out[1] = need.weight ? gw : Tensor();
+    out[3] = need.bias ? gb : Tensor();
+    return out;
+  }
+};
+
+Tensor lce_autograd(c10::DispatchKeySet ks, const Tensor& hidden, const Tensor& weight,
+                    const Tensor& target, const OptTensor& bias, int64_t ignore_index, double eps,
+                    c10::string_view reduction) {
+  const bool needs_grad =
+      at::GradMode::is_enabled() &&
+      (hidden.requires_grad() || weight.requires_grad() || (bias && bias->requires_grad()));
+  if (needs_grad) {
+    return LinearCrossEntropyFunction::apply(hidden, weight, target, bias, ignore_index, eps, reduction);
+  }
+  at::AutoDispatchBelowADInplaceOrView guard;
+  return op_handle().redispatch(ks & c10::after_ADInplaceOrView_keyset, hidden, weight, target,
+                                bias, ignore_index, eps, reduction);
+}
+
+}  // namespace
+
+OpContract linear_cross_entropy_contract() {
+  OpContract c;
+  c.name = kOp;
+  c.source_stem = "linear_cross_entropy,cross_entropy";
+  c.schema =
+      "linear_cross_entropy(Tensor hidden, Tensor weight, Tensor target, Tensor? bias=None, "
+      "int ignore_index=-100, float label_smoothing=0.0, str reduction=\"mean\") -> Tensor";
+  c.dims = "hidden: [rows, hidden]; weight: [classes, hidden]; target: [rows] index; bias?: [classes]";
+  c.dtypes = {at::kFloat, at::kHalf, at::kBFloat16};
+  c.scalar_test_values = {{"label_smoothing", {0.0, 0.1}}};
+  c.variant_args = {{"reduction", {"mean", "sum", "none"}}};  // order: CeReduction
+  c.dim_ranges = {{"rows", {0, 65536}}, {"hidden", {1, 16384}}, {"classes", {1, 262144}}};
+  c.production_shapes = {{{"rows", 8192}, {"hidden", 4096}, {"classes", 128256}},
+                         {{"rows", 4096}, {"hidden", 4096}, {"classes", 128256}},
+                         {{"rows", 8192}, {"hidden", 3584}, {"classes", 152064}},
+                         {{"rows", 8192}, {"hidden", 2048}, {"classes", 32000}}};
+  return c;
+}
+
+void define_linear_cross_entropy(torch::Library& m) {
+  m.def(torch::schema(linear_cross_entropy_contract().schema.c_str()));
+  m.def("_linear_cross_entropy_reference(Tensor hidden, Tensor weight, Tensor target, "
+        "Tensor? bias=None, int ignore_index=-100, float label_smoothing=0.0, "
+        "str reduction=\"mean\") -> Tensor");
+  m.def("_linear_cross_entropy_fwd(Tensor hidden, Tensor weight, Tensor target, Tensor? bias, "
+        "int ignore_index, float label_smoothing, str reduction, bool hidden_grad, "
+        "bool weight_grad, bool bias_grad) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("_linear_cross_entropy_bwd(Tensor grad, Tensor hidden, Tensor weight, Tensor target, "
+        "Tensor? bias, Tensor lse, int ignore_index, float label_smoothing, str reduction, "
+        "bool hidden_grad, bool weight_grad, bool bias_grad) -> (Tensor, Tensor, Tensor)");
+  // Tests: rows per chunk of the chunked backends (0: automatic); returns the previous value.
+  m.def("_linear_cross_entropy_set_chunk_rows(int rows) -> int", &set_chunk_rows);
+}
+
+void register_linear_cross_entropy(Dispatcher& d) {
+  g_op = d.add_op(linear_cross_entropy_contract(),
+                  BackendDesc{"reference", BackendKind::kReference, nullptr, nullptr});
+  g_fwd[0] = plan_fwd<kReference>;
+  g_bwd[0] = plan_bwd<kReference>;
+  // Typed entries first: the router may pick a backend as soon as it is published.
+  auto add = [&](BackendDesc desc, Fwd fwd, Bwd bwd) {
+    const size_t index = d.op(g_op).backends.size();
+    g_fwd[index] = fwd;
+    g_bwd[index] = bwd;
+    d.add_backend(g_op, std::move(desc));
+  };
+  add({"kernelgate_cpu", BackendKind::kKernelgate, nullptr, cpu_can_implement}, plan_fwd<kCpu>,
+      plan_bwd<kCpu>);
+  add({"kernelgate_cpu_narrow_accum", BackendKind::kKernelgate, nullptr, cpu_can_implement},
+      plan_fwd<kCpuNarrow>, plan_bwd<kCpuNarrow>);
+#ifdef KERNELGATE_WITH_CUDA
+  add({"kernelgate_cuda", BackendKind::kKernelgate, cuda_available, cuda_can_implement},
+      plan_fwd<kCuda>, plan_bwd<kCuda>);
+  add({"kernelgate_cuda_narrow_accum", BackendKind::kKernelgate, cuda_available, cuda_can_implement},
+      plan_fwd<kCudaNarrow>, plan_bwd<kCudaNarrow>);
+#else
+  for (const char* name : {"kernelgate_cuda", "kernelgate_cuda_narrow_accum"}) {
+    add({name, BackendKind::kKernelgate, [] { return Support::no("this build has no CUDA support"); },
+         [](const CallView&) { return Support::no("this build has no CUDA support"); }},
+        plan_fwd<kReference>, plan_bwd<kReference>);
+  }
+#endif
+}
+
+at::Tensor linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight,
+                                const at::Tensor& target, const std::optional<at::Tensor>& bias,
+                                int64_t ignore_index, double label_smoothing,
+                                c10::string_view reduction) {
+  return op_handle().call(hidden, weight, target, bias, ignore_index, label_smoothing, reduction);
+}
+
+TORCH_LIBRARY_IMPL(kernelgate, CPU, m) {
+  m.impl("linear_cross_entropy", lce_router);
+  m.impl("_linear_cross_entropy_fwd", lce_fwd_router);
+  m.impl("_linear_cross_entropy_bwd", lce_bwd_router);
+}
+
+#ifdef KERNELGATE_WITH_CUDA
+TORCH_LIBRARY_IMPL(kernelgate, CUDA, m) {
+  m.impl("linear_cross_entropy", lce_router);
+  m.impl("_linear_cross_entropy_fwd", lce_fwd_router);
+  m.impl("_linear_cross_entropy_bwd", lce_bwd_router);
+}
+#endif
+
+TORCH_LIBRARY_IMPL(kernelgate, Meta, m) {
+  m.impl("linear_cross_entropy", lce_meta);
+  m.impl("_linear_cross_entropy_fwd", lce_fwd_meta);
+  m.impl("_linear_cross_entropy_bwd", lce_bwd_meta);
+}
+
+TORCH_LIBRARY_IMPL(kernelgate, Autograd, m) { m.impl("linear_cross_entropy", lce_autograd); }
+
+TORCH_LIBRARY_IMPL(kernelgate, CompositeImplicitAutograd, m) {
+  m.impl("_linear_cross_entropy_reference", lce_reference_op);
+}
+
+}  // namespace kernelgate
