@@ -42,6 +42,12 @@ if ! "$PY" -m pip install --no-build-isolation --no-deps --no-index -v \
 fi
 echo "build: $(( $(date +%s) - start )) s; $(grep -o 'CUDA kernels [A-Z]*' "$OUT/build.log" | head -1)"
 
+# On our H200 machine a library loaded into the process's global scope before libstdc++ shadows
+# part of it, and our C++ code crashed when it threw an error formatting a double (e.g. a bad
+# eps). Loading the system libstdc++ first avoids it; see docs/evidence.md.
+LIBSTDCXX=/lib/x86_64-linux-gnu/libstdc++.so.6
+[ -f "$LIBSTDCXX" ] && export LD_PRELOAD="$LIBSTDCXX${LD_PRELOAD:+:$LD_PRELOAD}"
+
 step "C++ tests"
 ctest --test-dir build/h200 --output-on-failure >"$OUT/ctest.log" 2>&1 || status=1
 tail -3 "$OUT/ctest.log"
@@ -57,11 +63,17 @@ grep -E "^rms_norm ->|passed" "$OUT/demo.log"
 
 step benchmarks
 (cd bench && "$PY" bench_rms_norm.py --out "$OUT/rms_norm.json") 2>&1 | tail -12 || status=1
-(cd bench && "$PY" bench_gated.py --out "$OUT/gated.json") 2>&1 | tail -8 || status=1
+for b in gated add_rms_norm layer_norm rope cross_entropy linear_cross_entropy; do
+  (cd bench && "$PY" "bench_$b.py" --out "$OUT/$b.json") 2>&1 | tail -14 || status=1
+done
 (cd bench && "$PY" bench_dispatch.py --lib ../build/h200/bench/cpp/libkgbench_ops.so \
   --out "$OUT/dispatch.json") 2>&1 | tail -6 || status=1
 if [ -x build/h200/bench/cpp/dispatch_bench ]; then
   build/h200/bench/cpp/dispatch_bench --benchmark_min_time=0.5 --benchmark_out="$OUT/dispatch_cpp.json" \
     --benchmark_out_format=json 2>&1 | tail -5
+fi
+# KG_PACK=1: everything under $OUT as one archive (for transports that bring back few files).
+if [ -n "${KG_PACK:-}" ]; then
+  tar -czf /tmp/gpu_check.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/gpu_check.tgz "$OUT/"
 fi
 exit $status

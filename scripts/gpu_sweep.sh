@@ -21,6 +21,9 @@ if [ -x /usr/bin/g++ ]; then
 fi
 python3 -m pip install --no-build-isolation --no-deps --no-index -v -C build-dir=build/h200 "${COMPILERS[@]}" \
   -C cmake.define.CMAKE_PREFIX_PATH="$PREFIX" . >"$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
+# See scripts/gpu_check.sh: libstdc++ first, on machines where another copy shadows it.
+LIBSTDCXX=/lib/x86_64-linux-gnu/libstdc++.so.6
+[ -f "$LIBSTDCXX" ] && export LD_PRELOAD="$LIBSTDCXX${LD_PRELOAD:+:$LD_PRELOAD}"
 start=$(date +%s)
 kernelgate bench run "$OP" --grid "$GRID" --db "$OUT/evidence.sqlite" --json >"$OUT/sweep.json" 2>"$OUT/sweep.log"
 rc=$?
