@@ -170,7 +170,7 @@ BoundDims check_args(const Tensor& x, const Tensor& residual, const OptTensor& w
               "add_rms_norm: x.size(-1) (hidden) must be at least 1, got 0 (shape ", x.sizes(),
               ")");
   TORCH_CHECK(std::isfinite(eps) && eps >= 0,
-              "add_rms_norm: eps must be a finite number >= 0, got ", eps);
+              "add_rms_norm: eps must be a finite number >= 0, got ", number(eps));
   return dims;
 }
 

@@ -30,7 +30,7 @@ void check_scalars(const char* op, const char* classes_where, int64_t rows, int6
   TORCH_CHECK(classes >= 1 || rows == 0, op, ": ", classes_where,
               " (classes) must be at least 1, got 0");
   TORCH_CHECK(label_smoothing >= 0.0 && label_smoothing <= 1.0, op,
-              ": label_smoothing must be in [0, 1], got ", label_smoothing);
+              ": label_smoothing must be in [0, 1], got ", number(label_smoothing));
 }
 
 void check_targets_on_cpu(const char* op, const Tensor& target, int64_t classes,

@@ -200,7 +200,7 @@ BoundDims check_args(const Tensor& x, const OptTensor& w, const OptTensor& b, do
   TORCH_CHECK(x.size(-1) > 0,
               "layer_norm: x.size(-1) (hidden) must be at least 1, got 0 (shape ", x.sizes(), ")");
   TORCH_CHECK(std::isfinite(eps) && eps >= 0, "layer_norm: eps must be a finite number >= 0, got ",
-              eps);
+              number(eps));
   return dims;
 }
 

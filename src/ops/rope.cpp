@@ -290,7 +290,7 @@ int route_rope(const Tensor& q, const Tensor& k, const Tensor& cos, const Tensor
 }
 
 void check_norm_scalars(double eps) {
-  TORCH_CHECK(std::isfinite(eps) && eps >= 0, "qk_norm_rope: eps must be a finite number >= 0, got ", eps);
+  TORCH_CHECK(std::isfinite(eps) && eps >= 0, "qk_norm_rope: eps must be a finite number >= 0, got ", number(eps));
 }
 
 BoundDims check_norm(const Tensor& q, const Tensor& k, const Tensor& qw, const Tensor& kw,
