@@ -193,6 +193,23 @@ def test_doctor_reports_fingerprint_and_counts(faulty_db, capsys):
     assert len(fp["source_hash"]) == 16
 
 
+def test_source_hash_is_per_op_family():
+    from kernelgate import _C
+    h = {op: _C.fingerprint(op)["source_hash"] for op in
+         ["rms_norm", "swiglu", "geglu", "rope", "qk_norm_rope", "cross_entropy", "linear_cross_entropy",
+          "add_rms_norm", "layer_norm"]}
+    build = _C.fingerprint()["source_hash"]
+    assert all(len(v) == 16 for v in h.values()), h
+    # Ops built from the same files share a hash; others differ, and none is the whole build's.
+    assert h["swiglu"] == h["geglu"] and h["rope"] == h["qk_norm_rope"], h
+    assert len({h["rms_norm"], h["swiglu"], h["rope"], h["cross_entropy"], h["linear_cross_entropy"],
+                h["add_rms_norm"], h["layer_norm"]}) == 7, h
+    assert build not in h.values()
+    # An op's fingerprint differs from another's only by the source hash.
+    a, b = _C.fingerprint("rms_norm"), _C.fingerprint("swiglu")
+    assert {k for k in a if a[k] != b[k]} == {"source_hash", "id"}
+
+
 def test_concurrent_sweeps_into_one_store(tmp_path):
     db = str(tmp_path / "shared.sqlite")
     env = dict(os.environ)
