@@ -408,16 +408,10 @@ bool shipped_evidence_applies(const store::Fingerprint& stored, const store::Fin
   return a.id() == b.id();
 }
 
-std::vector<store::Result> usable_rows(const store::Store& s, bool shipped, const std::string& op) {
-  if (op.empty()) {
-    std::vector<store::Result> rows;
-    for (const auto& name : Dispatcher::get().op_names()) {
-      auto more = usable_rows(s, shipped, name);
-      rows.insert(rows.end(), more.begin(), more.end());
-    }
-    return rows;
-  }
-  const store::Fingerprint current = current_fingerprint(op);
+namespace {
+
+std::vector<store::Result> rows_of(const store::Store& s, bool shipped, const std::string& op,
+                                   const store::Fingerprint& current) {
   std::vector<std::string> ids{current.id()};
   if (shipped) {
     for (const auto& st : s.stale(current).stale) {
@@ -432,8 +426,32 @@ std::vector<store::Result> usable_rows(const store::Store& s, bool shipped, cons
   return rows;
 }
 
+}  // namespace
+
+std::map<std::string, store::Fingerprint> current_fingerprints() {
+  std::map<std::string, store::Fingerprint> out;
+  for (const auto& name : Dispatcher::get().op_names()) out[name] = current_fingerprint(name);
+  return out;
+}
+
+std::vector<store::Result> usable_rows(const store::Store& s, bool shipped,
+                                       const std::map<std::string, store::Fingerprint>& fingerprints) {
+  std::vector<store::Result> rows;
+  for (const auto& [op, fp] : fingerprints) {
+    auto more = rows_of(s, shipped, op, fp);
+    rows.insert(rows.end(), more.begin(), more.end());
+  }
+  return rows;
+}
+
+std::vector<store::Result> usable_rows(const store::Store& s, bool shipped, const std::string& op) {
+  if (op.empty()) return usable_rows(s, shipped, current_fingerprints());
+  return rows_of(s, shipped, op, current_fingerprint(op));
+}
+
 LazyEvidencePolicy::LazyEvidencePolicy(std::string user_db, std::vector<std::string> shipped_dbs)
-    : user_db_(std::move(user_db)), shipped_(std::move(shipped_dbs)) {}
+    : user_db_(std::move(user_db)), shipped_(std::move(shipped_dbs)),
+      fingerprints_(current_fingerprints()) {}
 
 void LazyEvidencePolicy::load() const {
   std::call_once(once_, [this] {
@@ -441,7 +459,7 @@ void LazyEvidencePolicy::load() const {
     auto opened = store::Store::open(user_db_, store::Mode::kReadOnly);
     if (opened) {
       try {
-        auto rows = usable_rows(*opened.store, /*shipped=*/false);
+        auto rows = usable_rows(*opened.store, /*shipped=*/false, fingerprints_);
         user_ = std::make_unique<EvidencePolicy>(derive_policy(rows), "evidence in " + user_db_);
         notes.push_back(user_->describe());
       } catch (const std::exception& ex) {
@@ -458,7 +476,7 @@ void LazyEvidencePolicy::load() const {
         continue;
       }
       try {
-        auto rows = usable_rows(*s.store, /*shipped=*/true);
+        auto rows = usable_rows(*s.store, /*shipped=*/true, fingerprints_);
         shipped_rows.insert(shipped_rows.end(), rows.begin(), rows.end());
       } catch (const std::exception& ex) {
         notes.push_back(std::string("shipped evidence not used: ") + ex.what());

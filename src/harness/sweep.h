@@ -109,6 +109,9 @@ class LazyEvidencePolicy final : public PolicySource {
   void load() const;
   std::string user_db_;
   std::vector<std::string> shipped_;
+  // Each registered op's fingerprint, taken at construction: load() runs inside the dispatcher's
+  // decision (under its lock) and must not call back into the dispatcher.
+  std::map<std::string, store::Fingerprint> fingerprints_;
   mutable std::once_flag once_;
   mutable std::unique_ptr<EvidencePolicy> user_, shipped_policy_;
   mutable std::string status_;
@@ -121,5 +124,10 @@ bool shipped_evidence_applies(const store::Fingerprint& stored, const store::Fin
 // op's current fingerprint and, for shipped evidence, those of every fingerprint the rule above
 // admits.
 std::vector<store::Result> usable_rows(const store::Store& s, bool shipped, const std::string& op = "");
+// The same for the ops of `fingerprints` (op -> its current fingerprint), without the dispatcher.
+std::vector<store::Result> usable_rows(const store::Store& s, bool shipped,
+                                       const std::map<std::string, store::Fingerprint>& fingerprints);
+// Every registered op's current fingerprint.
+std::map<std::string, store::Fingerprint> current_fingerprints();
 
 }  // namespace kernelgate::harness

@@ -193,6 +193,20 @@ def test_doctor_reports_fingerprint_and_counts(faulty_db, capsys):
     assert len(fp["source_hash"]) == 16
 
 
+def test_fresh_process_routes_by_stored_evidence(faulty_db):
+    # The evidence loads lazily inside the dispatcher's first decision: it must not call back into
+    # the dispatcher (that deadlocked once). A fresh process, a store with evidence, one call.
+    db, _ = faulty_db
+    code = ("import torch, kernelgate as kg\n"
+            "x = torch.randn(256, 256)\n"
+            "kg.rms_norm(x, torch.ones(256))\n"
+            "print(kg.explain('rms_norm', x, torch.ones(256)).reason)\n")
+    env = dict(os.environ, KERNELGATE_DB=db)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "ranked first by policy" in done.stdout, done.stdout
+
+
 def test_source_hash_is_per_op_family():
     from kernelgate import _C
     h = {op: _C.fingerprint(op)["source_hash"] for op in
