@@ -158,15 +158,24 @@ def _run_sweep(args, time: bool) -> int:
                                    "kernelgate " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
                                    _progress(not args.json))
         except (RuntimeError, ValueError) as exc:
+            if args.op == "all" and str(exc).startswith("cannot sweep"):
+                reports[op] = {"not_swept": str(exc)}  # the other ops still run
+                print(f"kernelgate: {exc}", file=sys.stderr)
+                continue
             raise SystemExit(f"kernelgate: {exc}")
     if args.json:
         print(json.dumps(reports, indent=2))
         return 0
-    for op, r in reports.items():
+    for op, r in list(reports.items()):
+        if "not_swept" in r:
+            print(f"{op}: not swept: {r['not_swept']}")
+            del reports[op]
+            continue
         disp = ", ".join(f"{k} {v}" for k, v in sorted(r["dispositions"].items())) or "nothing new"
         print(f"{op}: {r['planned']} runs ({r['skipped']} already stored), {disp}; "
               f"{r['seconds']:.1f} s, {r['worker_restarts']} worker restarts")
-    print(f"evidence in {_db(args)} (fingerprint {next(iter(reports.values()))['fingerprint_id'][:12]})")
+    if reports:
+        print(f"evidence in {_db(args)}")
     return 0
 
 

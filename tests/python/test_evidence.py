@@ -207,6 +207,11 @@ def test_fresh_process_routes_by_stored_evidence(faulty_db):
     assert "ranked first by policy" in done.stdout, done.stdout
 
 
+def test_sweep_of_an_op_with_index_tensors_says_why_not(tmp_path):
+    with pytest.raises(SystemExit, match="cannot sweep cross_entropy yet: .*'target'"):
+        cli.main(["validate", "cross_entropy", "--db", str(tmp_path / "e.sqlite")])
+
+
 def test_source_hash_is_per_op_family():
     from kernelgate import _C
     h = {op: _C.fingerprint(op)["source_hash"] for op in
