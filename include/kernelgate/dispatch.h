@@ -80,6 +80,13 @@ struct OpContract {
   // the value's index is the call's variant (CallView::variant).
   std::vector<std::pair<std::string, std::vector<std::string>>> variant_args;
   std::vector<std::map<std::string, int64_t>> production_shapes;
+  // Harness: named dims whose sizes must be a multiple of a number (rope's head_dim: 2); the
+  // cases round their sizes up to it.
+  std::map<std::string, int64_t> dim_multiples;
+  // Harness: for each index tensor, the named dim that bounds its values ({"target", "classes"}:
+  // values in [0, classes)). When the op has an int argument `ignore_index`, every 8th entry
+  // takes its value, so the ignored path is always exercised.
+  std::map<std::string, std::string> index_ranges;
   // The stems of the files that build this op's backends, comma-separated (src/ops/<stem>.cpp,
   // src/ops/<stem>_*, src/kernels/<stem>.*, src/kernels/<stem>_*): their hash, with the shared
   // kernel and harness files, is the op's source hash in stored evidence. Empty: the op's name.

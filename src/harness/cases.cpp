@@ -269,7 +269,15 @@ std::vector<Case> make_cases(const std::string& op, Grid grid,
   // production value), then tiny and degenerate shapes.
   std::vector<std::map<std::string, int64_t>> shapes;
   std::set<std::string> seen;
+  auto fit = [&](std::map<std::string, int64_t> d) {  // sizes the contract requires multiples of
+    for (auto& [name, v] : d) {
+      auto m = c.dim_multiples.find(name);
+      if (m != c.dim_multiples.end() && m->second > 1) v = (v + m->second - 1) / m->second * m->second;
+    }
+    return d;
+  };
   auto add_shape = [&](std::map<std::string, int64_t> d) {
+    d = fit(std::move(d));
     int64_t elems = 1;
     for (const auto& [k, v] : d) elems *= std::max<int64_t>(v, 1);
     if (elems > max_elements) return;
@@ -303,10 +311,10 @@ std::vector<Case> make_cases(const std::string& op, Grid grid,
 
   if (grid == Grid::kSmoke) {
     shapes.clear();
-    shapes.push_back(small_base);
+    shapes.push_back(fit(small_base));
     std::map<std::string, int64_t> odd = small_base;
     for (auto& [k, v] : odd) v = std::max<int64_t>(1, v / 4 + 1);
-    shapes.push_back(odd);
+    shapes.push_back(fit(odd));
   }
   std::map<std::string, double> default_scalars;
   for (const auto& [name, values] : c.scalar_test_values) default_scalars[name] = values.front();
@@ -343,7 +351,7 @@ std::vector<Case> make_cases(const std::string& op, Grid grid,
     // Layouts, value regimes, scalar values and absent optionals on one mid-size shape.
     Case k;
     k.op = op;
-    k.dims = small_base;
+    k.dims = fit(small_base);
     k.dtype = dt;
     k.scalars = default_scalars;
     const bool smoke = grid == Grid::kSmoke;

@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cmath>
 #include <functional>
+#include <optional>
 
 #include "harness/clocks.h"
 #include "harness/harness.h"
@@ -129,6 +130,21 @@ std::vector<int64_t> shape_of(const TensorArgSpec& spec, const OpContract& c, co
   return shape;
 }
 
+// The value of the op's int argument `ignore_index` for this case (its scalar or the schema
+// default), if it has one.
+std::optional<int64_t> ignore_index_of(const OpContract& c, const Case& k) {
+  if (auto it = k.scalars.find("ignore_index"); it != k.scalars.end()) {
+    return static_cast<int64_t>(it->second);
+  }
+  auto op = c10::Dispatcher::singleton().findSchemaOrThrow(("kernelgate::" + c.name).c_str(), "");
+  for (const auto& arg : op.schema().arguments()) {
+    if (arg.name() == "ignore_index" && arg.default_value() && arg.default_value()->isInt()) {
+      return arg.default_value()->toInt();
+    }
+  }
+  return std::nullopt;
+}
+
 Tensor values(std::vector<int64_t> shape, const std::string& regime, uint64_t seed) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
   Tensor v = at::randn(shape, gen, at::TensorOptions().dtype(at::kDouble));
@@ -166,7 +182,27 @@ std::pair<Inputs, Inputs> make_inputs(const OpContract& c, const Case& k, at::De
     if (layout == "transposed") leaf_shape = {full[1], full[0]};
     if (layout == "expanded") leaf_shape = {1, full[1]};
     if (spec.dtype_class == DTypeClass::kIndex) {
-      TORCH_CHECK(false, "index tensors are not generated yet (", spec.name, ")");
+      // Class indices in [0, bound), and the op's ignore_index in every 8th entry. Not a leaf:
+      // no gradient flows to an index tensor.
+      auto range = c.index_ranges.find(spec.name);
+      TORCH_CHECK(range != c.index_ranges.end(), "op ", c.name, " gives no index range for ", spec.name);
+      const int64_t bound = std::max<int64_t>(k.dims.at(range->second), 1);
+      Tensor idx;
+      if (with_values) {
+        auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+        idx = at::randint(0, bound, full, gen, at::TensorOptions().dtype(at::kLong));
+        if (auto ignore = ignore_index_of(c, k); ignore && idx.numel() > 0) {
+          idx.view(-1).slice(0, 0, idx.numel(), 8).fill_(*ignore);
+        }
+        idx = idx.to(device);
+      } else {
+        idx = at::empty(full, at::TensorOptions().device(device).dtype(at::kLong));
+      }
+      in.leaves.emplace_back();
+      in.args.push_back(idx);
+      oracle.leaves.emplace_back();
+      oracle.args.push_back(idx);
+      continue;
     }
     Tensor leaf = with_values
                       ? values(leaf_shape, a == 0 ? k.regime : "normal", seed).to(device, dtype)
@@ -213,7 +249,12 @@ std::vector<Tensor> call_op(const std::string& qualified, const OpContract& c, c
       const Tensor& t = args[it - c.tensor_args.begin()];
       stack.emplace_back(t.defined() ? c10::IValue(t) : c10::IValue());
     } else if (k.scalars.count(arg.name())) {
-      stack.emplace_back(k.scalars.at(arg.name()));
+      const double v = k.scalars.at(arg.name());
+      if (arg.type()->kind() == c10::TypeKind::IntType) {
+        stack.emplace_back(static_cast<int64_t>(v));
+      } else {
+        stack.emplace_back(v);
+      }
     } else if (k.strings.count(arg.name())) {
       stack.emplace_back(k.strings.at(arg.name()));
     } else {

@@ -442,6 +442,7 @@ OpContract cross_entropy_contract() {
       "cross_entropy(Tensor logits, Tensor target, int ignore_index=-100, float label_smoothing=0.0, "
       "str reduction=\"mean\") -> Tensor";
   c.dims = "logits: [rows, classes]; target: [rows] index";
+  c.index_ranges = {{"target", "classes"}};
   c.dtypes = {at::kFloat, at::kHalf, at::kBFloat16};
   c.scalar_test_values = {{"label_smoothing", {0.0, 0.1, 1.0}}};
   c.variant_args = {{"reduction", {"mean", "sum", "none"}}};  // order: CeReduction

@@ -497,6 +497,7 @@ OpContract linear_cross_entropy_contract() {
       "linear_cross_entropy(Tensor hidden, Tensor weight, Tensor target, Tensor? bias=None, "
       "int ignore_index=-100, float label_smoothing=0.0, str reduction=\"mean\") -> Tensor";
   c.dims = "hidden: [rows, hidden]; weight: [classes, hidden]; target: [rows] index; bias?: [classes]";
+  c.index_ranges = {{"target", "classes"}};
   c.dtypes = {at::kFloat, at::kHalf, at::kBFloat16};
   c.scalar_test_values = {{"label_smoothing", {0.0, 0.1}}};
   c.variant_args = {{"reduction", {"mean", "sum", "none"}}};  // order: CeReduction

@@ -546,6 +546,7 @@ OpContract rope_contract() {
            "cos: [cos_batch, seq, head_dim]; sin: [cos_batch, seq, head_dim]";
   c.dtypes = {at::kFloat, at::kHalf, at::kBFloat16};
   add_llm_shapes(c);
+  c.dim_multiples = {{"head_dim", 2}};  // rope rotates two halves
   return c;
 }
 
@@ -561,6 +562,7 @@ OpContract qk_norm_rope_contract() {
   c.dtypes = {at::kFloat, at::kHalf, at::kBFloat16};
   c.scalar_test_values = {{"eps", {1e-6, 1e-5, 0.1}}};
   add_llm_shapes(c);
+  c.dim_multiples = {{"head_dim", 2}};  // rope rotates two halves
   return c;
 }
 

@@ -207,9 +207,22 @@ def test_fresh_process_routes_by_stored_evidence(faulty_db):
     assert "ranked first by policy" in done.stdout, done.stdout
 
 
-def test_sweep_of_an_op_with_index_tensors_says_why_not(tmp_path):
-    with pytest.raises(SystemExit, match="cannot sweep cross_entropy yet: .*'target'"):
-        cli.main(["validate", "cross_entropy", "--db", str(tmp_path / "e.sqlite")])
+def _validate_dispositions(tmp_path, op, capsys):
+    db = str(tmp_path / f"{op}.sqlite")
+    assert cli.main(["validate", op, "--backend", "reference", "--dtype", "float32", "--db", db, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)[op]["dispositions"]
+
+
+def test_sweeps_generate_index_tensors(tmp_path, capsys):
+    # cross_entropy's target: class indices in [0, classes) with ignore_index mixed in.
+    d = _validate_dispositions(tmp_path, "cross_entropy", capsys)
+    assert d.get("passed", 0) > 0 and "crashed" not in d, d
+
+
+def test_sweeps_respect_dim_multiples(tmp_path, capsys):
+    # rope's head_dim must be even: every generated case is a valid call.
+    d = _validate_dispositions(tmp_path, "rope", capsys)
+    assert d.get("passed", 0) > 0 and "crashed" not in d and "incorrect" not in d, d
 
 
 def test_source_hash_is_per_op_family():
