@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cmath>
 #include <functional>
+#include <mutex>
 #include <optional>
 
 #include "harness/clocks.h"
@@ -22,6 +23,7 @@
 #ifdef KERNELGATE_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAEvent.h>
+#include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDAGuard.h>
 #endif
@@ -145,9 +147,25 @@ std::optional<int64_t> ignore_index_of(const OpContract& c, const Case& k) {
   return std::nullopt;
 }
 
-Tensor values(std::vector<int64_t> shape, const std::string& regime, uint64_t seed) {
+// Standard-normal float64 values, seeded, drawn where they will live: on the GPU with a CUDA
+// generator (the CPU generator is sequential; at production shapes it took tens of seconds a run).
+Tensor seeded_randn(at::IntArrayRef shape, uint64_t seed, at::Device device) {
+#ifdef KERNELGATE_WITH_CUDA
+  if (device.is_cuda()) {
+    at::Generator gen = at::cuda::detail::createCUDAGenerator(device.index());
+    {
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      gen.set_current_seed(seed);
+    }
+    return at::randn(shape, gen, at::TensorOptions().dtype(at::kDouble).device(device));
+  }
+#endif
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-  Tensor v = at::randn(shape, gen, at::TensorOptions().dtype(at::kDouble));
+  return at::randn(shape, gen, at::TensorOptions().dtype(at::kDouble).device(device));
+}
+
+Tensor values(std::vector<int64_t> shape, const std::string& regime, uint64_t seed, at::Device device) {
+  Tensor v = seeded_randn(shape, seed, device);
   if (regime == "large") v = v * 5e3;
   if (regime == "small") v = v * 1e-4;
   if (regime == "offset") v = v * 0.01 + 3.0;
@@ -205,7 +223,7 @@ std::pair<Inputs, Inputs> make_inputs(const OpContract& c, const Case& k, at::De
       continue;
     }
     Tensor leaf = with_values
-                      ? values(leaf_shape, a == 0 ? k.regime : "normal", seed).to(device, dtype)
+                      ? values(leaf_shape, a == 0 ? k.regime : "normal", seed, device).to(dtype)
                       : at::empty(leaf_shape, at::TensorOptions().device(device).dtype(dtype));
     leaf = leaf.detach().requires_grad_(k.grad);
     Tensor leaf64 = with_values ? leaf.detach().to(at::kDouble).requires_grad_(k.grad) : Tensor();
@@ -480,9 +498,8 @@ Measured run_case(const Case& k, const std::string& backend, const RunOptions& o
     {
       ForcedBackend force(k.op, "reference");
       for (const Tensor& t : call_op(qualified, c, k, in.args)) {
-        auto gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(k.seed) + 99991);
-        cot.push_back(at::randn(t.sizes(), gen, at::TensorOptions().dtype(at::kDouble))
-                          .to(t.device(), t.scalar_type()));
+        cot.push_back(seeded_randn(t.sizes(), static_cast<uint64_t>(k.seed) + 99991, t.device())
+                          .to(t.scalar_type()));
       }
     }
     std::vector<Tensor> ref, got, ora;
