@@ -8,18 +8,8 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-PREFIX=${KG_PREFIX:-$PWD/.carry/prefix}
-export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-16}
+source scripts/gpu_env.sh
 export LD_LIBRARY_PATH="$PREFIX/lib:${LD_LIBRARY_PATH:-}"
-export PYTHONUNBUFFERED=1
-[ -d /usr/local/cuda/bin ] && export PATH="/usr/local/cuda/bin:$PATH"
-# The system compiler: a toolchain that links libstdc++ statically into our libraries (as the H200
-# machine's /opt/gcc wrapper does) mixes two libstdc++ copies in one process, and iostreams crash.
-COMPILERS=()
-if [ -x /usr/bin/g++ ]; then
-  COMPILERS=(-C cmake.define.CMAKE_C_COMPILER=/usr/bin/gcc -C cmake.define.CMAKE_CXX_COMPILER=/usr/bin/g++
-             -C cmake.define.CMAKE_CUDA_HOST_COMPILER=/usr/bin/g++)
-fi
 status=0
 
 step() { echo "== $1"; }
@@ -42,11 +32,7 @@ if ! "$PY" -m pip install --no-build-isolation --no-deps --no-index -v \
 fi
 echo "build: $(( $(date +%s) - start )) s; $(grep -o 'CUDA kernels [A-Z]*' "$OUT/build.log" | head -1)"
 
-# On our H200 machine a library loaded into the process's global scope before libstdc++ shadows
-# part of it, and our C++ code crashed when it threw an error formatting a double (e.g. a bad
-# eps). Loading the system libstdc++ first avoids it; see docs/evidence.md.
-LIBSTDCXX=/lib/x86_64-linux-gnu/libstdc++.so.6
-[ -f "$LIBSTDCXX" ] && export LD_PRELOAD="$LIBSTDCXX${LD_PRELOAD:+:$LD_PRELOAD}"
+preload_libstdcxx
 
 step "C++ tests"
 ctest --test-dir build/h200 --output-on-failure >"$OUT/ctest.log" 2>&1 || status=1

@@ -166,15 +166,14 @@ def _run_sweep(args, time: bool) -> int:
     if args.json:
         print(json.dumps(reports, indent=2))
         return 0
-    for op, r in list(reports.items()):
+    for op, r in reports.items():
         if "not_swept" in r:
             print(f"{op}: not swept: {r['not_swept']}")
-            del reports[op]
             continue
         disp = ", ".join(f"{k} {v}" for k, v in sorted(r["dispositions"].items())) or "nothing new"
         print(f"{op}: {r['planned']} runs ({r['skipped']} already stored), {disp}; "
               f"{r['seconds']:.1f} s, {r['worker_restarts']} worker restarts")
-    if reports:
+    if any("not_swept" not in r for r in reports.values()):
         print(f"evidence in {_db(args)}")
     return 0
 

@@ -10,7 +10,6 @@
 #include <chrono>
 #include <mutex>
 #include <cmath>
-#include <cstdio>
 #include <set>
 #include <stdexcept>
 
@@ -57,19 +56,27 @@ void load_backend_plugin(const std::string& path) {
 
 namespace {
 
-// The hash of one stem from the "stem=hash," table CMakeLists.txt builds; "" if absent.
-std::string stem_hash(const std::string& stem) {
-  const std::string table = KERNELGATE_OP_SOURCE_HASHES;
-  const std::string needle = stem + "=";
-  for (size_t at = 0; at < table.size();) {
-    size_t end = table.find(',', at);
-    if (end == std::string::npos) end = table.size();
-    if (table.compare(at, needle.size(), needle) == 0) {
-      return table.substr(at + needle.size(), end - at - needle.size());
-    }
+std::vector<std::string> split_commas(const std::string& s) {
+  std::vector<std::string> out;
+  for (size_t at = 0; at <= s.size();) {
+    size_t end = std::min(s.find(',', at), s.size());
+    if (end > at) out.push_back(s.substr(at, end - at));
     at = end + 1;
   }
-  return "";
+  return out;
+}
+
+// stem -> hash, from the "stem=hash," table CMakeLists.txt builds.
+const std::map<std::string, std::string>& stem_hashes() {
+  static const std::map<std::string, std::string> table = [] {
+    std::map<std::string, std::string> t;
+    for (const auto& entry : split_commas(KERNELGATE_OP_SOURCE_HASHES)) {
+      size_t eq = entry.find('=');
+      if (eq != std::string::npos) t[entry.substr(0, eq)] = entry.substr(eq + 1);
+    }
+    return t;
+  }();
+  return table;
 }
 
 }  // namespace
@@ -77,22 +84,15 @@ std::string stem_hash(const std::string& stem) {
 std::string op_source_hash(const std::string& op) {
   const OpEntry* e = op.empty() ? nullptr : Dispatcher::get().find_op(op);
   if (e == nullptr) return KERNELGATE_SOURCE_HASH;
-  const std::string stems = e->contract.source_stem.empty() ? op : e->contract.source_stem;
+  const auto stems = split_commas(e->contract.source_stem.empty() ? op : e->contract.source_stem);
   std::string combined;
-  size_t count = 0;
-  for (size_t at = 0; at <= stems.size(); ++count) {
-    size_t end = std::min(stems.find(',', at), stems.size());
-    const std::string h = stem_hash(stems.substr(at, end - at));
-    if (h.empty()) return KERNELGATE_SOURCE_HASH;  // a stem outside the table: the build's hash
-    combined += h;
-    at = end + 1;
+  for (const auto& stem : stems) {
+    auto it = stem_hashes().find(stem);
+    if (it == stem_hashes().end()) return KERNELGATE_SOURCE_HASH;  // outside the table: the build's hash
+    combined += it->second;
   }
-  if (count == 1) return combined;
-  uint64_t fnv = 1469598103934665603ull;  // several stems: one stable 64-bit hash of theirs
-  for (unsigned char ch : combined) fnv = (fnv ^ ch) * 1099511628211ull;
-  char buf[17];
-  std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(fnv));
-  return buf;
+  // Several stems: one stable hash of theirs.
+  return stems.size() == 1 ? combined : store::fnv1a64_hex(combined);
 }
 
 store::Fingerprint current_fingerprint(const std::string& op) {

@@ -1186,6 +1186,14 @@ void migrate(sqlite3* db, const std::string& path, int from, std::span<const Mig
 
 // ---- Fingerprint and Disposition ------------------------------------------------------------
 
+std::string fnv1a64_hex(std::string_view bytes) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (unsigned char c : bytes) h = (h ^ c) * 0x100000001b3ull;
+  char hex[17];
+  std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(h));
+  return hex;
+}
+
 std::string Fingerprint::id() const {
   // Every piece is length-prefixed, so no two field sets serialise alike.
   std::string canon;
@@ -1205,11 +1213,7 @@ std::string Fingerprint::id() const {
     piece(package);
     piece(version);
   }
-  uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a 64
-  for (unsigned char c : canon) h = (h ^ c) * 0x100000001b3ull;
-  char hex[17];
-  std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(h));
-  return hex;
+  return fnv1a64_hex(canon);
 }
 
 std::vector<std::string> Fingerprint::differences(const Fingerprint& current) const {

@@ -29,6 +29,9 @@ namespace kernelgate::store {
 // open, stores at a higher one are refused.
 inline constexpr int kSchemaVersion = 1;
 
+// 16 hex digits: FNV-1a 64 of `bytes`; stable across machines and processes.
+std::string fnv1a64_hex(std::string_view bytes);
+
 // The device + software environment a measurement was taken in.
 struct Fingerprint {
   std::string gpu_name;
