@@ -229,11 +229,22 @@ SweepReport sweep(const SweepOptions& o) {
       m = from_outcome(ready);
       m.reason = "worker did not start: " + m.reason;
     } else {
+      // Seeds repeat a case with fresh values: each is validated, and the first is timed (the
+      // values do not change the time; the sweep spends its time on more cases instead).
+      const bool time_this = o.time && c->seed == 0;
       std::string line = encode_fields({{"backend", backend},
-                                        {"time", o.time ? "1" : "0"},
+                                        {"time", time_this ? "1" : "0"},
                                         {"cap", std::to_string(o.time_cap_s)},
                                         {"case", c->encode()}});
-      m = from_outcome(pool.request(line, timeout));
+      Outcome out = pool.request(line, timeout);
+      if (out.kind == Outcome::Kind::kProtocolError && out.exit_code == 0 && out.signal == 0 &&
+          out.response.empty() && start_worker(pool).ok()) {
+        // A worker that answered its last request and then exited (it does so after a failed
+        // graph capture) can take the next request with it unread: that run goes once more,
+        // to a fresh worker.
+        out = pool.request(line, timeout);
+      }
+      m = from_outcome(out);
     }
     store::Result r;
     r.op = o.op;
