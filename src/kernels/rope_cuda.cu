@@ -1,17 +1,13 @@
 // rope and qk_norm_rope CUDA kernels (contract in rope.h).
 //
-// Work unit: one (batch, seq) position. Its q_heads + kv_heads rows share one cos / sin row, so
-// a block loads cos / sin for the position once (from DRAM; the block's other row groups hit
-// L1) and applies it to every head of q and k: each input byte is read once and each output
-// byte written once, in one launch for q and k.
+// q and k rows of one (batch, seq) position share one cos / sin row; both are handled in one
+// launch, each input byte read from DRAM once and each output byte written once.
 //
-// Threads: x = lanes over the first half of head_dim (lane c owns elements [cW, cW + W) and
-// their partners [cW + h, cW + h + W), h = head_dim / 2), y = row groups, z (rope only) =
-// positions per block. W is a 16-byte vector of T when every pointer, stride and h allow it,
-// else 1 (the general path: any even head_dim, any strides, unaligned pointers).
+// Lanes: lane c owns elements [cW, cW + W) of the first half of head_dim and their partners
+// [cW + h, cW + h + W), h = head_dim / 2. W is a 16-byte vector of T when every pointer, stride
+// and h allow it, else 1 (the general path: any even head_dim, any strides, unaligned pointers).
 //
-// rope: each thread loads U rows (2 accesses each) before storing any, so a block with
-// ceil(rows / U) row groups has every load of its position in flight at once.
+// rope: threads x = lanes, y = consecutive positions; blocks walk groups of rows (see rope_rows).
 // qk_norm_rope: the lanes of a row form a power-of-two group inside one warp and reduce with
 // shuffles. "One pass" keeps the row in registers (head_dim <= 32 W); otherwise the row is read
 // twice (the second read mostly hits L1). The backward is a persistent grid: each block keeps
@@ -24,6 +20,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "kernels/rope.h"
@@ -35,7 +32,6 @@ namespace rope_detail {
 using namespace vec;  // to_float, from_float, Vec, unpack, pack
 
 constexpr int kMaxThreads = 256;
-constexpr int kRopeRowsPerThread = 4;  // U
 constexpr int64_t kMaxGrid = int64_t{1} << 30;
 constexpr int kBwdBlocksPerSm = 8;
 constexpr size_t kBwdMaxSmem = 48 * 1024;  // no opt-in needed
@@ -59,6 +55,13 @@ template <class T, int W> __device__ __forceinline__ void to_floats(const Raw<T,
 }
 template <class T, int W> __device__ __forceinline__ void load(const T* p, float (&f)[W]) {
   to_floats<T, W>(load_raw<T, W>(p), f);
+}
+template <class T, int W> __device__ __forceinline__ void store_raw(T* p, const Raw<T, W>& v) {
+  if constexpr (W == 1) {
+    *p = v;
+  } else {
+    *reinterpret_cast<uint4*>(p) = v;
+  }
 }
 template <class T, int W> __device__ __forceinline__ void store(T* p, const float (&f)[W]) {
   if constexpr (W == 1) {
@@ -87,6 +90,69 @@ __device__ __forceinline__ void rotate(float (&lo)[W], float (&hi)[W], const flo
   }
 }
 
+// Rotation applied to unconverted vectors one 32-bit word at a time, so that only a word's
+// floats are live (the whole-vector form holds 6 W floats and spills at W = 8).
+__device__ __forceinline__ uint32_t word_of(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+__device__ __forceinline__ void set_word(uint4& v, int i, uint32_t w) {
+  if (i == 0) v.x = w;
+  else if (i == 1) v.y = w;
+  else if (i == 2) v.z = w;
+  else v.w = w;
+}
+template <class T> __device__ __forceinline__ float2 word_floats(uint32_t w) {
+  if constexpr (sizeof(T) == 4) {
+    return make_float2(__uint_as_float(w), 0.f);
+  } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+  } else {
+    __half2 h;
+    memcpy(&h, &w, 4);
+    return __half22float2(h);
+  }
+}
+template <class T> __device__ __forceinline__ uint32_t float_word(float2 f) {
+  uint32_t w;
+  if constexpr (sizeof(T) == 4) {
+    w = __float_as_uint(f.x);
+  } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(f.x, f.y);
+    memcpy(&w, &h, 4);
+  } else {
+    const __half2 h = __floats2half2_rn(f.x, f.y);
+    memcpy(&w, &h, 4);
+  }
+  return w;
+}
+
+template <class T, int W, bool kBwd>
+__device__ __forceinline__ void rotate_raw(Raw<T, W>& lo, Raw<T, W>& hi, const Raw<T, W>& clo,
+                                           const Raw<T, W>& chi, const Raw<T, W>& slo,
+                                           const Raw<T, W>& shi) {
+  if constexpr (W == 1) {
+    float a[1] = {to_float(lo)}, e[1] = {to_float(hi)};
+    const float c0[1] = {to_float(clo)}, c1[1] = {to_float(chi)};
+    const float s0[1] = {to_float(slo)}, s1[1] = {to_float(shi)};
+    rotate<kBwd, 1>(a, e, c0, c1, s0, s1);
+    lo = from_float<T>(a[0]);
+    hi = from_float<T>(e[0]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 a = word_floats<T>(word_of(lo, i)), e = word_floats<T>(word_of(hi, i));
+      const float2 c0 = word_floats<T>(word_of(clo, i)), c1 = word_floats<T>(word_of(chi, i));
+      const float2 s0 = word_floats<T>(word_of(slo, i)), s1 = word_floats<T>(word_of(shi, i));
+      float x[2] = {a.x, a.y}, y[2] = {e.x, e.y};
+      const float cl[2] = {c0.x, c0.y}, ch[2] = {c1.x, c1.y};
+      const float sl[2] = {s0.x, s0.y}, sh[2] = {s1.x, s1.y};
+      rotate<kBwd, 2>(x, y, cl, ch, sl, sh);
+      set_word(lo, i, float_word<T>(make_float2(x[0], x[1])));
+      set_word(hi, i, float_word<T>(make_float2(y[0], y[1])));
+    }
+  }
+}
+
 template <class T> struct Operands {
   T* q_out;
   T* k_out;
@@ -105,53 +171,87 @@ __device__ __forceinline__ P* row_ptr(P* q, P* k, const RopeStrides& qs, const R
 }
 
 // ---------------------------------------------------------------- rope
-// (kMaxThreads, 1): lets ptxas use the registers it wants (about 136 for 16-bit vectors); with
-// a 128 cap sm_80 spills. Blocks are small (ceil(rows / U) row groups), so several still fit.
+// Block (tx lanes, ty consecutive positions); blockIdx.y picks a group of rows (heads of q,
+// then of k). A thread loads the cos / sin vectors of its (position, lane) once, unconverted,
+// and applies them to every row of its group. A warp covers whole vectors of consecutive
+// positions, so every access is coalesced in both q layouts ([b, h, s, d] and a [b, s, h, d]
+// view); each row group re-reads cos / sin, from L2. The common case (16-byte vectors, at most
+// 32 lanes, offsets below 2^31) runs rope_rows32: 32-bit index math, no loops, 40-60 registers,
+// so an SM holds enough warps, and loads in flight, to keep HBM busy (a loop-per-position form
+// needed 110-136 registers and reached 70% of the copy bandwidth on the H200; this one 89-90%).
+constexpr int kRopeThreads = 256;
+constexpr int kRopeRowsPerBlock = 8;   // general path
+constexpr int kRopeRowsPerBlock32 = 2; // 32-bit path
+constexpr int64_t kMaxGridY = 65535;
+
 template <class T, int W, bool kBwd>
-__global__ void __launch_bounds__(kMaxThreads, 1)
-    rope_position_per_block(Operands<T> t, RopeProblem p, int64_t positions, int nlanes) {
-  constexpr int U = kRopeRowsPerThread;
+__global__ void __launch_bounds__(kRopeThreads, 4)
+    rope_rows(Operands<T> t, RopeProblem p, int64_t positions, int nlanes) {
+  constexpr int R = kRopeRowsPerBlock;
   const int64_t h = p.head_dim / 2, rows = p.q_heads + p.kv_heads;
-  const int64_t row_step = int64_t(U) * blockDim.y;
-  for (int64_t pos = int64_t(blockIdx.x) * blockDim.z + threadIdx.z; pos < positions;
-       pos += int64_t(gridDim.x) * blockDim.z) {
-    const int64_t b = pos / p.seq, s = pos - b * p.seq;
-    const T* cr = t.cos + b * p.cos_sb + s * p.cos_ss;
-    const T* sr = t.sin + b * p.sin_sb + s * p.sin_ss;
-    for (int c = threadIdx.x; c < nlanes; c += blockDim.x) {
-      const int64_t d = int64_t(c) * W;
-      // Kept unconverted: 4 registers per vector instead of W.
-      const Raw<T, W> clo_r = load_raw<T, W>(cr + d), chi_r = load_raw<T, W>(cr + d + h);
-      const Raw<T, W> slo_r = load_raw<T, W>(sr + d), shi_r = load_raw<T, W>(sr + d + h);
-      for (int64_t r0 = threadIdx.y; r0 < rows; r0 += row_step) {
-        Raw<T, W> lo[U], hi[U];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-          const int64_t r = r0 + int64_t(u) * blockDim.y;
-          if (r < rows) {
-            const T* x = row_ptr(t.q, t.k, p.q, p.k, p.q_heads, b, s, r) + d;
-            lo[u] = load_raw<T, W>(x);
-            hi[u] = load_raw<T, W>(x + h);
-          }
-        }
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-          const int64_t r = r0 + int64_t(u) * blockDim.y;
-          if (r >= rows) break;
-          float a[W], e[W], clo[W], chi[W], slo[W], shi[W];
-          to_floats<T, W>(lo[u], a);
-          to_floats<T, W>(hi[u], e);
-          to_floats<T, W>(clo_r, clo);
-          to_floats<T, W>(chi_r, chi);
-          to_floats<T, W>(slo_r, slo);
-          to_floats<T, W>(shi_r, shi);
-          rotate<kBwd, W>(a, e, clo, chi, slo, shi);
-          T* y = row_ptr(t.q_out, t.k_out, p.q_out, p.k_out, p.q_heads, b, s, r) + d;
-          store<T, W>(y, a);
-          store<T, W>(y + h, e);
+  const int64_t groups = (rows + R - 1) / R;
+  for (int64_t g = blockIdx.y; g < groups; g += gridDim.y) {
+    const int64_t r_begin = g * R;
+    const int64_t r_end = min(rows, r_begin + R);
+    for (int64_t pos = int64_t(blockIdx.x) * blockDim.y + threadIdx.y; pos < positions;
+         pos += int64_t(gridDim.x) * blockDim.y) {
+      const int64_t b = pos / p.seq, s = pos - b * p.seq;
+      const T* cr = t.cos + b * p.cos_sb + s * p.cos_ss;
+      const T* sr = t.sin + b * p.sin_sb + s * p.sin_ss;
+      // The position's row 0 of q, k and their outputs; a row is its head's stride away.
+      const T* qp = t.q + b * p.q.sb + s * p.q.ss;
+      const T* kp = t.k + b * p.k.sb + s * p.k.ss;
+      T* qo = t.q_out + b * p.q_out.sb + s * p.q_out.ss;
+      T* ko = t.k_out + b * p.k_out.sb + s * p.k_out.ss;
+      for (int c = threadIdx.x; c < nlanes; c += blockDim.x) {
+        const int64_t d = int64_t(c) * W;
+        // Kept unconverted: 4 registers per vector instead of W.
+        const Raw<T, W> clo_r = load_raw<T, W>(cr + d), chi_r = load_raw<T, W>(cr + d + h);
+        const Raw<T, W> slo_r = load_raw<T, W>(sr + d), shi_r = load_raw<T, W>(sr + d + h);
+        for (int64_t r = r_begin; r < r_end; ++r) {
+          const T* x = (r < p.q_heads ? qp + r * p.q.sh : kp + (r - p.q_heads) * p.k.sh) + d;
+          Raw<T, W> lo = load_raw<T, W>(x), hi = load_raw<T, W>(x + h);
+          rotate_raw<T, W, kBwd>(lo, hi, clo_r, chi_r, slo_r, shi_r);
+          T* y = (r < p.q_heads ? qo + r * p.q_out.sh : ko + (r - p.q_heads) * p.k_out.sh) + d;
+          store_raw<T, W>(y, lo);
+          store_raw<T, W>(y + h, hi);
         }
       }
     }
+  }
+}
+
+// The common case in 32-bit index math: 16-byte vectors, at most 32 lanes per row (tx ==
+// nlanes), every element offset below 2^31. One thread per (row, position, lane): no loops;
+// blockIdx.y = row, blockIdx.x * ty + threadIdx.y = position. cos / sin come from L1 / L2 for
+// all rows but the first to touch them.
+template <class T, int W, bool kBwd, int R>
+__global__ void __launch_bounds__(kRopeThreads)
+    rope_rows32(Operands<T> t, RopeProblem p, int positions, int rows) {
+  const int pos = blockIdx.x * blockDim.y + threadIdx.y;
+  if (pos >= positions) return;
+  const int h = int(p.head_dim) / 2, seq = int(p.seq), q_heads = int(p.q_heads);
+  const int b = pos / seq, s = pos - b * seq;
+  const int d = threadIdx.x * W;
+  const int co = b * int(p.cos_sb) + s * int(p.cos_ss) + d, so = b * int(p.sin_sb) + s * int(p.sin_ss) + d;
+  const Raw<T, W> clo = load_raw<T, W>(t.cos + co), chi = load_raw<T, W>(t.cos + co + h);
+  const Raw<T, W> slo = load_raw<T, W>(t.sin + so), shi = load_raw<T, W>(t.sin + so + h);
+#pragma unroll
+  for (int i = 0; i < R; ++i) {
+    const int r = blockIdx.y * R + i;
+    if (r >= rows) break;
+    const bool is_q = r < q_heads;
+    const RopeStrides& xs = is_q ? p.q : p.k;
+    const RopeStrides& ys = is_q ? p.q_out : p.k_out;
+    const int hr = is_q ? r : r - q_heads;
+    const int xo = b * int(xs.sb) + hr * int(xs.sh) + s * int(xs.ss) + d;
+    const int yo = b * int(ys.sb) + hr * int(ys.sh) + s * int(ys.ss) + d;
+    const T* x = (is_q ? t.q : t.k) + xo;
+    Raw<T, W> lo = load_raw<T, W>(x), hi = load_raw<T, W>(x + h);
+    rotate_raw<T, W, kBwd>(lo, hi, clo, chi, slo, shi);
+    T* y = (is_q ? t.q_out : t.k_out) + yo;
+    store_raw<T, W>(y, lo);
+    store_raw<T, W>(y + h, hi);
   }
 }
 
@@ -397,16 +497,41 @@ inline bool problem_ok(const RopeProblem& p) {
 
 inline int64_t positions_of(const RopeProblem& p) { return p.batch * p.seq; }
 
+// Whether every element offset of the problem's tensors fits in 32 bits (rope_rows32).
+inline bool offsets_fit_int32(const RopeProblem& p) {
+  const int64_t lim = int64_t{1} << 31;
+  auto span = [&](const RopeStrides& s, int64_t heads) {
+    return (p.batch - 1) * s.sb + (heads - 1) * s.sh + (p.seq - 1) * s.ss + p.head_dim;
+  };
+  const bool strides_ok = p.q.sb >= 0 && p.q.sh >= 0 && p.q.ss >= 0 && p.k.sb >= 0 && p.k.sh >= 0 &&
+                          p.k.ss >= 0 && p.q_out.sb >= 0 && p.q_out.sh >= 0 && p.q_out.ss >= 0 &&
+                          p.k_out.sb >= 0 && p.k_out.sh >= 0 && p.k_out.ss >= 0 && p.cos_sb >= 0 &&
+                          p.cos_ss >= 0 && p.sin_sb >= 0 && p.sin_ss >= 0;
+  return strides_ok && p.batch * p.seq < lim && p.q_heads + p.kv_heads < lim &&
+         span(p.q, std::max<int64_t>(p.q_heads, 1)) < lim && span(p.q_out, std::max<int64_t>(p.q_heads, 1)) < lim &&
+         span(p.k, std::max<int64_t>(p.kv_heads, 1)) < lim && span(p.k_out, std::max<int64_t>(p.kv_heads, 1)) < lim &&
+         (p.batch - 1) * p.cos_sb + (p.seq - 1) * p.cos_ss + p.head_dim < lim &&
+         (p.batch - 1) * p.sin_sb + (p.seq - 1) * p.sin_ss + p.head_dim < lim;
+}
+
 template <class T, int W, bool kBwd>
 int launch_rope(const Operands<T>& t, const RopeProblem& p, cudaStream_t stream) {
   const int64_t rows = p.q_heads + p.kv_heads, positions = positions_of(p);
   const int nlanes = int(p.head_dim / 2 / W);
-  const int tx = int(std::min<int64_t>(nlanes, kMaxThreads));
-  const int ty = int(std::clamp<int64_t>(ceil_div(rows, kRopeRowsPerThread), 1, kMaxThreads / tx));
-  // Small positions (few heads, short head_dim): several per block, so blocks are not tiny.
-  const int tz = int(std::clamp<int64_t>(128 / (tx * ty), 1, 64));
-  const unsigned grid = unsigned(std::clamp<int64_t>(ceil_div(positions, tz), 1, kMaxGrid));
-  rope_position_per_block<T, W, kBwd><<<grid, dim3(tx, ty, tz), 0, stream>>>(t, p, positions, nlanes);
+  const int tx = int(std::min<int64_t>(nlanes, 32));
+  const int ty = kRopeThreads / tx;
+  const unsigned grid_x = unsigned(std::clamp<int64_t>(ceil_div(positions, ty), 1, kMaxGrid));
+  constexpr int R32 = kRopeRowsPerBlock32;
+  if constexpr (W > 1) {
+    if (nlanes <= 32 && ceil_div(rows, R32) <= kMaxGridY && ceil_div(positions, ty) <= kMaxGrid &&
+        offsets_fit_int32(p)) {
+      rope_rows32<T, W, kBwd, R32><<<dim3(grid_x, unsigned(ceil_div(rows, R32))), dim3(tx, ty), 0, stream>>>(
+          t, p, int(positions), int(rows));
+      return int(cudaGetLastError());
+    }
+  }
+  const unsigned grid_y = unsigned(std::clamp<int64_t>(ceil_div(rows, kRopeRowsPerBlock), 1, kMaxGridY));
+  rope_rows<T, W, kBwd><<<dim3(grid_x, grid_y), dim3(tx, ty), 0, stream>>>(t, p, positions, nlanes);
   return int(cudaGetLastError());
 }
 

@@ -143,8 +143,11 @@ def assert_reference_accurate(name, ref, oracle, dtype):
     of = o[finite]
     peak = (of.abs().max() / of.square().mean().sqrt()).item()
     u = UNIT_ROUNDOFF[dtype]
-    assert l2 <= u + 1e-6, f"{name}: reference relative L2 error {l2:.3e} > {u:.1e} ({dtype})"
-    assert mx <= u * peak + 1e-6, f"{name}: reference max error / rms {mx:.3e} > {u * peak:.1e} ({dtype})"
+    # float32 results: room for the float32 arithmetic of a gradient (a reduction over head_dim
+    # and its cancellation), the harness's float32 floor.
+    room = 1e-5 if dtype == torch.float32 else 1e-6
+    assert l2 <= u + room, f"{name}: reference relative L2 error {l2:.3e} > {u + room:.1e} ({dtype})"
+    assert mx <= u * peak + room, f"{name}: reference max error / rms {mx:.3e} > {u * peak + room:.1e} ({dtype})"
 
 
 def check(op, backend, device, dtype, dims, **kw):
@@ -570,7 +573,7 @@ def test_gpu_weight_grads_deterministic():
 def test_gpu_our_kernel_runs(op):
     # The routed call launches our kernel (not a fallback): one launch for q and k forward.
     case = Case(op, "cuda", torch.bfloat16, 2, 4, 2, 8, 128)
-    names = {"rope": "rope_position_per_block", "qk_norm_rope": "qk_norm_rope_fwd_rows"}
+    names = {"rope": "rope_rows", "qk_norm_rope": "qk_norm_rope_fwd_rows"}
     with kg.use(force={op: "kernelgate_cuda"}):
         args = case.args_for_explain()
         _kg_fn(op)(*args)
