@@ -380,6 +380,11 @@ template <class T, int W> __global__ void __launch_bounds__(kGeneralMaxThreads, 
 }
 
 // ---------------------------------------------------------------- planning
+// Forward at 16384 x 4096 bf16 on the H200 (bench/results/h200/tuning/variants.json): 4
+// vectors per thread 85.5% of the copy bandwidth, 8 vectors 86.2%, a warp per row (16 vectors,
+// no block barrier) 75.6%. The Nsight Compute profile of the backward (128 registers per
+// thread, 2 blocks of 256 per SM, 24% achieved occupancy, 73% of DRAM throughput) says what
+// limits it: see bench/results/h200/README.md.
 // As rms_norm's (measured on H200, bf16): 4 vectors per thread, at least 128 threads per block,
 // at most 512 threads per row forward and 256 backward, about 512 backward threads per SM.
 constexpr int kPrefVpt = 4, kMinBlock = 128, kBwdThreadsPerSm = 512;
