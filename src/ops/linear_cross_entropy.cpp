@@ -9,10 +9,11 @@
 // The step is ATen (reference, kernelgate_cpu) or our CUDA kernel (kernelgate_cuda); the
 // reference runs the loop as one chunk, i.e. with materialised logits.
 //
-// Training with reduction "mean" / "sum": the forward computes the gradients for a unit
-// cotangent, and the backward scales them, in place, by the incoming scalar. Reduction "none"
-// has a per-row cotangent, so its backward (_linear_cross_entropy_bwd) recomputes each chunk's
-// logits from the saved lse.
+// Training with reduction "mean" / "sum" (bfloat16, float32): the forward computes the
+// gradients for a unit cotangent, and the backward scales them, in place, by the incoming
+// scalar. Reduction "none" has a per-row cotangent, and float16 must not round its gradients
+// before the cotangent is applied (see LinearCrossEntropyFunction), so their backward
+// (_linear_cross_entropy_bwd) recomputes each chunk's logits from the saved lse.
 //
 // grad_weight precision: grad_weight sums every chunk's dlogits.T @ hidden_c. Accumulated in
 // the 16-bit input dtype (addmm, beta = 1) it is rounded once per chunk, and with LM target
@@ -422,15 +423,22 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
                         int64_t ignore_index, double eps, c10::string_view reduction) {
     at::AutoDispatchBelowADInplaceOrView guard;
     const GradMask need{hidden.requires_grad(), weight.requires_grad(), bias && bias->requires_grad()};
-    auto [loss, lse, gh, gw, gb] = fwd_handle().call(hidden, weight, target, bias, ignore_index,
-                                                     eps, reduction, need.hidden, need.weight, need.bias);
-    const bool precomputed = ce::parse_reduction(kOp, reduction) != CeReduction::kNone;
+    // float16 recomputes in the backward, with the cotangent folded into dlogits before they
+    // are rounded: gradients for a unit cotangent, scaled afterwards, would be rounded twice in
+    // float16's subnormal range (a mean over many rows and classes puts grad_weight there), and
+    // a loss-scaled cotangent would magnify that error. bfloat16 has float32's exponent range.
+    const bool precomputed = ce::parse_reduction(kOp, reduction) != CeReduction::kNone &&
+                             hidden.scalar_type() != at::kHalf;
+    auto [loss, lse, gh, gw, gb] =
+        fwd_handle().call(hidden, weight, target, bias, ignore_index, eps, reduction,
+                          precomputed && need.hidden, precomputed && need.weight, precomputed && need.bias);
     if (precomputed) {
       ctx->save_for_backward({gh, gw, gb});
     } else {
       ctx->save_for_backward({hidden, weight, target, bias.value_or(Tensor()), lse});
       ctx->saved_data["ignore_index"] = ignore_index;
       ctx->saved_data["label_smoothing"] = eps;
+      ctx->saved_data["reduction"] = std::string(reduction);
     }
     ctx->saved_data["precomputed"] = precomputed;
     ctx->saved_data["has_bias"] = bias.has_value();
@@ -464,7 +472,8 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
       OptTensor bias = ctx->saved_data["has_bias"].toBool() ? OptTensor(s[3]) : std::nullopt;
       std::tie(gh, gw, gb) = bwd_handle().call(
           dloss, s[0], s[1], s[2], bias, s[4], ctx->saved_data["ignore_index"].toInt(),
-          ctx->saved_data["label_smoothing"].toDouble(), "none", need.hidden, need.weight, need.bias);
+          ctx->saved_data["label_smoothing"].toDouble(), ctx->saved_data["reduction"].toStringRef(),
+          need.hidden, need.weight, need.bias);
     }
     out[0] = need.hidden ? gh : Tensor();
     out[1] = need.weight ? gw : Tensor();
