@@ -121,6 +121,15 @@ def test_cpu_shapes(backend, red, dtype, rows, hidden, classes):
     check(backend, "cpu", dtype, rows, hidden, classes, red=red, chunk=4)
 
 
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("red", ["mean", "sum"])
+def test_cpu_float16_subnormal_grad_weight(backend, red):
+    # A mean over many rows and classes puts float16 grad_weight in the subnormal range: rounded
+    # there before the cotangent was applied, then again after, it was 2.7 times less accurate
+    # than eager ATen (max error / rms 5.8e-2 vs 2.1e-2), found by the H200 GPU tests.
+    check(backend, "cpu", torch.float16, 300, 128, 32003, red=red, chunk=128)
+
+
 @pytest.mark.parametrize("chunk", [0, 1, 3, 16, 64, 1000])
 @pytest.mark.parametrize("with_bias", [True, False])
 @pytest.mark.parametrize("red", REDUCTIONS)
