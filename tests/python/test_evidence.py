@@ -290,3 +290,31 @@ def test_cli_ops_explain_json(capsys):
         cli.main(["validate", "no_such_op"])
     with pytest.raises(SystemExit, match="no backend 'nope'"):
         cli.main(["validate", "rms_norm", "--backend", "nope", "--db", "/tmp/unused.sqlite"])
+
+
+def test_shipped_h200_evidence_is_current_for_this_build():
+    # The H200 evidence in the package is used only where its fingerprint matches, the rms_norm
+    # source hash included. A change to rms_norm's files or to the shared files its hash covers
+    # (docs/evidence.md) would leave H200 users on the reference without a word: re-run the sweep
+    # on an H200 (scripts/gpu_sweep.sh rms_norm full) and ship its store with the change.
+    import sqlite3
+
+    from kernelgate import evidence
+
+    shipped = [p for p in evidence.shipped_paths() if os.path.basename(p) == "h200.sqlite"]
+    assert shipped, "python/kernelgate/evidence/h200.sqlite is missing from the package"
+    con = sqlite3.connect(f"file:{shipped[0]}?mode=ro", uri=True)
+    fps = con.execute(
+        "SELECT DISTINCT f.gpu_name, f.compute_capability, f.source_hash, f.kernelgate_version, f.torch_version "
+        "FROM results r JOIN fingerprints f ON f.id = r.fingerprint_id WHERE r.op = 'rms_norm'").fetchall()
+    counts = dict(con.execute("SELECT disposition, COUNT(*) FROM results WHERE op = 'rms_norm' GROUP BY 1"))
+    con.close()
+    assert len(fps) == 1, fps
+    gpu, cc, source_hash, version, torch_version = fps[0]
+    assert (gpu, cc) == ("NVIDIA H200", "9.0")
+    now = _C.fingerprint("rms_norm")
+    assert source_hash == now["source_hash"], (
+        f"the shipped H200 rms_norm evidence is for source hash {source_hash}, this build's is "
+        f"{now['source_hash']}: re-run the sweep on an H200 and ship its store")
+    assert version == now["kernelgate_version"] and torch_version == now["torch_version"]
+    assert counts.get("passed", 0) > 5000 and set(counts) <= {"passed", "incorrect", "unsupported"}, counts
