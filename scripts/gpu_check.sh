@@ -39,7 +39,9 @@ ctest --test-dir build/h200 --output-on-failure >"$OUT/ctest.log" 2>&1 || status
 tail -3 "$OUT/ctest.log"
 
 step "GPU tests"
-(cd tests/python && "$PY" -m pytest -q -p no:cacheprovider -m gpu --junitxml="$OUT/pytest_gpu.xml" . ) \
+# pytest-xdist where installed: the GPU tests' float64 oracles run on the CPU.
+XDIST=(); "$PY" -c "import xdist" 2>/dev/null && XDIST=(-n 8)
+(cd tests/python && "$PY" -m pytest -q -p no:cacheprovider -m gpu "${XDIST[@]}" --junitxml="$OUT/pytest_gpu.xml" . ) \
   >"$OUT/pytest_gpu.log" 2>&1 || status=1
 grep -E "passed|failed|error" "$OUT/pytest_gpu.log" | tail -15
 

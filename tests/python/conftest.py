@@ -9,6 +9,12 @@ os.environ["KERNELGATE_DB"] = os.path.join(tempfile.mkdtemp(prefix="kernelgate-t
 
 import kernelgate as kg  # noqa: E402
 
+# Under pytest-xdist (`-n N`, how the GPU tests run on the GPU machine), N test processes share
+# the cores: each gets its share of intra-op threads, or their float64 oracles thrash.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, _workers)))
+
 
 def pytest_collection_modifyitems(config, items):
     # A GPU test that runs where there is no GPU fails; it is never silently skipped. Machines
