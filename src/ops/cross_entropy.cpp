@@ -95,6 +95,11 @@ Tensor reference_loss(const Tensor& logits, const Tensor& target, int64_t ignore
   const auto acc = at::promote_types(logits.scalar_type(), at::kFloat);
   Tensor x = in_dtype(logits, acc);
   Rows r = classify(target, logits.size(1), ignore_index, acc);
+  // The loss does not depend on ignored rows, so their gradient is exactly 0 whatever their
+  // logits hold: masked before the math, autograd gives them 0 rather than 0 * NaN
+  // (F.cross_entropy's gradient is NaN on an ignored row holding a NaN or an Inf).
+  const Tensor ignored = (target.to(at::kLong) == ignore_index).unsqueeze(1);
+  x = at::where(ignored, at::zeros({}, x.options()), x);
   auto [lse, loss] = row_math(x, r, label_smoothing);
   loss = at::where(r.in_range, loss, r.fill);
   Tensor out = reduction == CeReduction::kNone ? loss

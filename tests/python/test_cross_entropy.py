@@ -395,3 +395,22 @@ def test_gpu_cuda_graph_capture_and_replay(backend, red):
             (ex,) = torch.autograd.grad(ey, [x], dy)
             torch.testing.assert_close(y, ey)
             torch.testing.assert_close(gx, ex)
+
+
+@pytest.mark.parametrize("red", REDUCTIONS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_ignored_rows_get_an_exact_zero_gradient_whatever_they_hold(red, dtype):
+    # The loss does not depend on ignored rows: their gradient is 0 even where they hold NaN or
+    # Inf (F.cross_entropy's is NaN there: 0 * NaN), in the backend and in the float64 oracle.
+    x = torch.randn(5, 7, generator=torch.Generator().manual_seed(3)).to(dtype)
+    x[1, 2] = float("nan")
+    x[2, 0] = float("inf")
+    x[3, 4] = -float("inf")
+    t = torch.tensor([3, IGNORE, IGNORE, IGNORE, 1])
+    for f, leaf in ((kg.cross_entropy, x.clone()), (oracle_op, x.double())):
+        leaf.requires_grad_(True)
+        loss = f(leaf, t, IGNORE, 0.0, red)
+        assert loss.isfinite().all(), loss
+        (g,) = torch.autograd.grad(loss.sum(), [leaf])
+        assert torch.equal(g[1:4], torch.zeros_like(g[1:4])), g
+        assert g[[0, 4]].isfinite().all() and g[[0, 4]].abs().sum() > 0
