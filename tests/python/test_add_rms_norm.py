@@ -11,38 +11,13 @@ import torch.nn.functional as F
 
 import kernelgate as kg
 from kernelgate.testing import check_against_oracle, poison_cuda_allocator
+from norm_inputs import layouts, values
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 CPU_BACKENDS = ["reference"]
 CUDA_BACKENDS = ["reference", "kernelgate_cuda"]
 
 oracle_op = torch.ops.kernelgate._add_rms_norm_reference
-
-
-# Layouts: (leaf shape, view of the leaf that the op receives). Gradients are taken with respect
-# to the leaves, so a layout bug in the backward shows up too.
-def _layout(name, rows_shape, hidden):
-    full = (*rows_shape, hidden)
-    if name == "contiguous":
-        return full, lambda t: t
-    (rows,) = rows_shape
-    return {
-        "transposed": ((hidden, rows), lambda t: t.t()),  # last-dim stride = rows
-        "row_strided": ((rows, hidden + 5), lambda t: t[:, :hidden]),  # padded rows
-        "offset": ((rows * hidden + 1,), lambda t: t[1:].view(full)),  # misaligned start
-        "expanded": ((1, hidden), lambda t: t.expand(rows, hidden)),  # row stride 0
-    }[name]
-
-
-def _values(shape, regime, dtype, device, gen):
-    x = torch.randn(shape, generator=gen, dtype=torch.float64)
-    if regime == "large":
-        x = x * 1e4 if dtype != torch.float16 else x * 5e3
-    elif regime == "small":
-        x = x * 1e-4  # comparable to eps: tests that eps is applied
-    elif regime == "offset":
-        x = x * 0.01 + 3.0  # large mean, small spread
-    return x.to(device=device, dtype=dtype)
 
 
 def _run(backend, leaves, views, eps, cots):
@@ -67,13 +42,13 @@ def _oracle(leaves, views, eps, cots):
 def check_backend(backend, device, dtype, rows_shape, hidden, x_layout="contiguous", r_layout="contiguous",
                   regime="normal", with_weight=True, eps=1e-6, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    x_shape, x_view = _layout(x_layout, rows_shape, hidden)
-    r_shape, r_view = _layout(r_layout, rows_shape, hidden)
-    x_leaf = _values(x_shape, regime, dtype, device, gen)
-    r_leaf = _values(r_shape, regime, dtype, device, gen)
-    w = _values((hidden,), "normal", dtype, device, gen) if with_weight else None
+    x_shape, x_view = layouts(rows_shape, hidden)[x_layout]
+    r_shape, r_view = layouts(rows_shape, hidden)[r_layout]
+    x_leaf = values(x_shape, regime, dtype, device, gen)
+    r_leaf = values(r_shape, regime, dtype, device, gen)
+    w = values((hidden,), "normal", dtype, device, gen) if with_weight else None
     out_shape = (*rows_shape, hidden)
-    cots = (_values(out_shape, "normal", dtype, device, gen), _values(out_shape, "normal", dtype, device, gen))
+    cots = (values(out_shape, "normal", dtype, device, gen), values(out_shape, "normal", dtype, device, gen))
     leaves, views = (x_leaf, r_leaf, w), (x_view, r_view)
     poison_cuda_allocator(x_leaf.device)
     (y, h), got_g, (x, r) = _run(backend, leaves, views, eps, cots)
@@ -182,7 +157,7 @@ def test_cpu_one_output_used():
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
-def test_cpu_special_values(backend):
+def test_cpu_specialvalues(backend):
     _special_check(backend, "cpu")
 
 
@@ -349,7 +324,7 @@ def test_gpu_many_rows_seeds(with_weight, seed, rows, hidden):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", CUDA_BACKENDS)
-def test_gpu_special_values(backend):
+def test_gpu_specialvalues(backend):
     _special_check(backend, "cuda")
 
 

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 import kernelgate as kg
 from kernelgate.testing import check_against_oracle, poison_cuda_allocator
+from norm_inputs import layouts, values
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 CPU_BACKENDS = ["reference"]  # aten keeps bfloat16 statistics on the CPU: forward only, below
@@ -18,33 +19,6 @@ CUDA_BACKENDS = ["reference", "aten", "kernelgate_cuda"]
 AFFINE = [(True, True), (True, False), (False, True), (False, False)]  # (weight, bias)
 
 oracle_op = torch.ops.kernelgate._layer_norm_reference
-
-
-def _layouts(rows_shape, hidden):
-    full = (*rows_shape, hidden)
-    layouts = {"contiguous": (full, lambda t: t)}
-    if len(rows_shape) == 1:
-        rows = rows_shape[0]
-        layouts.update({
-            "transposed": ((hidden, rows), lambda t: t.t()),  # last-dim stride = rows
-            "row_strided": ((rows, hidden + 5), lambda t: t[:, :hidden]),  # padded rows
-            "offset": ((rows * hidden + 1,), lambda t: t[1:].view(full)),  # misaligned start
-            "expanded": ((1, hidden), lambda t: t.expand(rows, hidden)),  # row stride 0
-        })
-    return layouts
-
-
-def _values(shape, regime, dtype, device, gen):
-    x = torch.randn(shape, generator=gen, dtype=torch.float64)
-    if regime == "large":
-        x = x * 1e4 if dtype != torch.float16 else x * 5e3
-    elif regime == "small":
-        x = x * 1e-4  # variance far below eps: eps dominates
-    elif regime == "offset":
-        x = x * 0.01 + 3.0  # mean far from 0 relative to the spread
-    elif regime == "far_offset":
-        x = x + 1e4  # mean^2 / var = 1e8: one-pass E[x^2] - E[x]^2 in float32 is pure rounding
-    return x.to(device=device, dtype=dtype)
 
 
 def _run(backend, leaves, view, eps, dy):
@@ -67,12 +41,12 @@ def _oracle(leaves, view, eps, dy):
 def check_backend(backend, device, dtype, rows_shape, hidden, layout="contiguous", regime="normal",
                   with_weight=True, with_bias=True, eps=1e-5, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    leaf_shape, view = _layouts(rows_shape, hidden)[layout]
-    x_leaf = _values(leaf_shape, regime, dtype, device, gen)
-    w = _values((hidden,), "normal", dtype, device, gen) if with_weight else None
-    b = _values((hidden,), "normal", dtype, device, gen) if with_bias else None
+    leaf_shape, view = layouts(rows_shape, hidden)[layout]
+    x_leaf = values(leaf_shape, regime, dtype, device, gen)
+    w = values((hidden,), "normal", dtype, device, gen) if with_weight else None
+    b = values((hidden,), "normal", dtype, device, gen) if with_bias else None
     y_shape = view(x_leaf).shape
-    dy = _values(y_shape, "normal", dtype, device, gen)
+    dy = values(y_shape, "normal", dtype, device, gen)
     leaves = (x_leaf, w, b)
     poison_cuda_allocator(x_leaf.device)
     got, got_g = _run(backend, leaves, view, eps, dy)
@@ -158,9 +132,9 @@ def test_cpu_eps(backend, eps):
 @pytest.mark.parametrize("rows_shape,hidden", SHAPES)
 def test_cpu_aten_forward(dtype, rows_shape, hidden):
     gen = torch.Generator().manual_seed(5)
-    x = _values((*rows_shape, hidden), "offset", dtype, "cpu", gen)
-    w = _values((hidden,), "normal", dtype, "cpu", gen)
-    b = _values((hidden,), "normal", dtype, "cpu", gen)
+    x = values((*rows_shape, hidden), "offset", dtype, "cpu", gen)
+    w = values((hidden,), "normal", dtype, "cpu", gen)
+    b = values((hidden,), "normal", dtype, "cpu", gen)
     with kg.use(force={"layer_norm": "aten"}):
         assert kg.explain("layer_norm", x, w, b).backend == "aten"
         got = kg.layer_norm(x, w, b)
@@ -184,7 +158,7 @@ def _special_check(backend, device):
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
-def test_cpu_special_values(backend):
+def test_cpu_specialvalues(backend):
     _special_check(backend, "cpu")
 
 
@@ -352,7 +326,7 @@ def test_gpu_many_rows_seeds(with_weight, with_bias, seed, rows, hidden):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", CUDA_BACKENDS)
-def test_gpu_special_values(backend):
+def test_gpu_specialvalues(backend):
     _special_check(backend, "cuda")
 
 

@@ -9,39 +9,13 @@ import torch
 
 import kernelgate as kg
 from kernelgate.testing import check_against_oracle, poison_cuda_allocator
+from norm_inputs import layouts, values
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 CPU_BACKENDS = ["reference", "kernelgate_cpu"]  # aten's fused backward is CUDA-only: see below
 CUDA_BACKENDS = ["reference", "aten", "kernelgate_cuda"]
 
 oracle_op = torch.ops.kernelgate._rms_norm_reference
-
-
-# Layouts: (make the leaf tensor, view of the leaf that the op receives). Gradients are taken
-# with respect to the leaf, so a layout bug in the backward shows up too.
-def _layouts(rows_shape, hidden):
-    full = (*rows_shape, hidden)
-    layouts = {"contiguous": (full, lambda t: t)}
-    if len(rows_shape) == 1:
-        rows = rows_shape[0]
-        layouts.update({
-            "transposed": ((hidden, rows), lambda t: t.t()),  # last-dim stride = rows
-            "row_strided": ((rows, hidden + 5), lambda t: t[:, :hidden]),  # padded rows
-            "offset": ((rows * hidden + 1,), lambda t: t[1:].view(full)),  # misaligned start
-            "expanded": ((1, hidden), lambda t: t.expand(rows, hidden)),  # row stride 0
-        })
-    return layouts
-
-
-def _values(shape, regime, dtype, device, gen):
-    x = torch.randn(shape, generator=gen, dtype=torch.float64)
-    if regime == "large":
-        x = x * 1e4 if dtype != torch.float16 else x * 5e3
-    elif regime == "small":
-        x = x * 1e-4  # comparable to eps: tests that eps is applied
-    elif regime == "offset":
-        x = x * 0.01 + 3.0  # large mean, small spread
-    return x.to(device=device, dtype=dtype)
 
 
 def _run(backend, x_leaf, view, w, eps, dy):
@@ -69,11 +43,11 @@ def _oracle(x_leaf, view, w, eps, dy):
 def check_backend(backend, device, dtype, rows_shape, hidden, layout="contiguous", regime="normal",
                   with_weight=True, eps=1e-6, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    leaf_shape, view = _layouts(rows_shape, hidden)[layout]
-    x_leaf = _values(leaf_shape, regime, dtype, device, gen)
-    w = _values((hidden,), "normal", dtype, device, gen) if with_weight else None
+    leaf_shape, view = layouts(rows_shape, hidden)[layout]
+    x_leaf = values(leaf_shape, regime, dtype, device, gen)
+    w = values((hidden,), "normal", dtype, device, gen) if with_weight else None
     y_shape = view(x_leaf).shape
-    dy = _values(y_shape, "normal", dtype, device, gen)
+    dy = values(y_shape, "normal", dtype, device, gen)
     poison_cuda_allocator(x_leaf.device)
     got, got_g = _run(backend, x_leaf, view, w, eps, dy)
     ref, ref_g = _run("reference", x_leaf, view, w, eps, dy)
@@ -127,8 +101,8 @@ def test_cpu_fresh_inputs_per_seed(backend, seed):
 @pytest.mark.parametrize("rows_shape,hidden", SHAPES)
 def test_cpu_aten_forward(dtype, rows_shape, hidden):
     gen = torch.Generator().manual_seed(5)
-    x = _values((*rows_shape, hidden), "normal", dtype, "cpu", gen)
-    w = _values((hidden,), "normal", dtype, "cpu", gen)
+    x = values((*rows_shape, hidden), "normal", dtype, "cpu", gen)
+    w = values((hidden,), "normal", dtype, "cpu", gen)
     with kg.use(force={"rms_norm": "aten"}):
         assert kg.explain("rms_norm", x, w).backend == "aten"
         got = kg.rms_norm(x, w)
@@ -152,7 +126,7 @@ def _special_check(backend, device):
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
-def test_cpu_special_values(backend):
+def test_cpu_specialvalues(backend):
     _special_check(backend, "cpu")
 
 
@@ -345,7 +319,7 @@ def test_gpu_many_rows_seeds(with_weight, seed):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", CUDA_BACKENDS)
-def test_gpu_special_values(backend):
+def test_gpu_specialvalues(backend):
     _special_check(backend, "cuda")
 
 
