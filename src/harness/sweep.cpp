@@ -236,15 +236,13 @@ SweepReport sweep(const SweepOptions& o) {
                                         {"time", time_this ? "1" : "0"},
                                         {"cap", std::to_string(o.time_cap_s)},
                                         {"case", c->encode()}});
-      Outcome out = pool.request(line, timeout);
-      if (out.kind == Outcome::Kind::kProtocolError && out.exit_code == 0 && out.signal == 0 &&
-          out.response.empty() && start_worker(pool).ok()) {
-        // A worker that answered its last request and then exited (it does so after a failed
-        // graph capture) can take the next request with it unread: that run goes once more,
-        // to a fresh worker.
-        out = pool.request(line, timeout);
-      }
+      const Outcome out = pool.request(line, timeout);
       m = from_outcome(out);
+      std::map<std::string, std::string> fields;
+      std::string ignored;
+      if (out.ok() && decode_fields(out.response, &fields, &ignored) && fields[kWorkerExitsField] == "1") {
+        pool.retire();  // the next run must not reach a worker that is exiting
+      }
     }
     store::Result r;
     r.op = o.op;

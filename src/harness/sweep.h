@@ -25,6 +25,10 @@ std::string op_source_hash(const std::string& op);
 // for evidence of `op` (source hash: op_source_hash(op)).
 store::Fingerprint current_fingerprint(const std::string& op = "");
 
+// Field a worker adds to its answer when it exits right after it (kernelgate-worker does after
+// a failed graph capture): the sweep replaces it before the next run.
+constexpr char kWorkerExitsField[] = "worker_exits";
+
 struct SweepOptions {
   std::string op;
   std::vector<std::string> backends;  // empty: every backend registered for the op

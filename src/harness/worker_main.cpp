@@ -89,9 +89,13 @@ int main(int argc, char** argv) {
       if (!f["noise"].empty()) o.target_rel_noise = std::stod(f["noise"]);
       m = harness::run_case(*c, f["backend"], o);  // an OOM error is a disposition here
     }
-    std::fprintf(responses, "%s\n", m.encode().c_str());
+    // After a failed graph capture the device state is suspect: the worker answers, says it is
+    // exiting (so that no further request is sent to it), and exits.
+    const bool exiting = harness::device_state_suspect();
+    std::fprintf(responses, "%s%s\n", m.encode().c_str(),
+                 exiting ? (std::string(";") + harness::kWorkerExitsField + "=1").c_str() : "");
     std::fflush(responses);
-    if (harness::device_state_suspect()) return 0;
+    if (exiting) return 0;
   }
   return 0;
 }

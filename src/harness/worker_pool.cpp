@@ -402,4 +402,9 @@ void WorkerPool::stop() {
   lost_ = false;
 }
 
+void WorkerPool::retire() {
+  stop();
+  lost_ = true;
+}
+
 }  // namespace kernelgate::harness

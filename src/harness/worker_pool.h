@@ -78,6 +78,9 @@ class WorkerPool {
   // Closes the worker's stdin, waits up to shutdown_grace for it to exit, then kills its process
   // group; always reaps it. A later request starts a new worker (not counted in restarts()).
   void stop();
+  // As stop(), for a worker that said it is exiting: the next request starts a new one, counted
+  // in restarts().
+  void retire();
 
   int restarts() const { return restarts_; }  // workers started to replace a lost one
   pid_t pid() const { return pid_; }          // the live worker's pid, or -1

@@ -255,6 +255,20 @@ TEST(WorkerPool, WorkerThatDiedBetweenRequestsIsReplacedTransparently) {
   EXPECT_EQ(pool.restarts(), 1);
 }
 
+TEST(WorkerPool, RetiredWorkerIsReplacedAndCounted) {
+  WorkerPool pool(fake_worker());
+  ASSERT_TRUE(pool.request("echo up", kTimeout).ok());
+  const pid_t pid = pool.pid();
+  pool.retire();
+  EXPECT_EQ(pool.pid(), -1);
+  EXPECT_TRUE(gone_within(pid, milliseconds(1000)));
+  const Outcome outcome = pool.request("echo next", kTimeout);
+  EXPECT_EQ(outcome.kind, Kind::kOk) << outcome.reason;
+  EXPECT_EQ(outcome.response, "next");
+  EXPECT_NE(pool.pid(), pid);
+  EXPECT_EQ(pool.restarts(), 1);
+}
+
 TEST(WorkerPool, RejectsARequestWithANewline) {
   WorkerPool pool(fake_worker());
   EXPECT_THROW(pool.request("echo a\necho b", kTimeout), std::invalid_argument);
