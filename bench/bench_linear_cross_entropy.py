@@ -52,6 +52,8 @@ def measure(f, h, w, t, dy, grads_bytes):
     with torch.no_grad():
         fwd = time_ms(lambda: f(h, w, t), warmup=3, samples=20)
     fb = time_ms(lambda: torch.autograd.grad(f(h, w, t), [h, w], dy), warmup=3, samples=20)
+    one = torch.ones_like(dy)  # loss.backward()
+    fb1 = time_ms(lambda: torch.autograd.grad(f(h, w, t), [h, w], one), warmup=2, samples=20)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -59,7 +61,7 @@ def measure(f, h, w, t, dy, grads_bytes):
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
     del out
-    return fwd, fb, peak, peak - grads_bytes
+    return fwd, fb, fb1, peak, peak - grads_bytes
 
 
 def matmul_rate(a, wd):
@@ -115,7 +117,7 @@ def main() -> int:
     records = []
     for name, f in variants.items():
         try:
-            fwd, fb, peak, workspace = measure(f, h, w, t, dy, grads_bytes)
+            fwd, fb, fb1, peak, workspace = measure(f, h, w, t, dy, grads_bytes)
         except torch.cuda.OutOfMemoryError as exc:
             records.append({"variant": name, "error": f"out of memory: {exc}"})
             torch.cuda.empty_cache()
@@ -126,6 +128,8 @@ def main() -> int:
             "fwdbwd_ms": fb["median_ms"], "fwdbwd_p10_p90_ms": [fb["p10_ms"], fb["p90_ms"]],
             "fwd_frac_matmul": mm["fwd_ms"] / fwd["median_ms"],
             "fwdbwd_frac_matmul": mm["fwdbwd_ms"] / fb["median_ms"],
+            "fwdbwd_unit_cotangent_ms": fb1["median_ms"],
+            "fwdbwd_unit_cotangent_frac_matmul": mm["fwdbwd_ms"] / fb1["median_ms"],
             "fwdbwd_peak_extra_mib": peak / 2**20,
             "fwdbwd_workspace_mib": workspace / 2**20,
             "workspace_frac_f32_logits": workspace / f32_logits,
@@ -133,7 +137,8 @@ def main() -> int:
         torch.cuda.empty_cache()
     kg.policy.clear()
     payload = {**env, "notes": notes, "matmul": mm,
-               "model": "fwd: 1 GEMM (2 T H V flop); fwd+bwd: 3 GEMMs; frac_matmul = torch.mm time of "
+               "model": "fwd: 1 GEMM (2 T H V flop); fwd+bwd: 3 GEMMs, with a random scalar cotangent (fwdbwd_*) "
+                        "and with cotangent 1 as loss.backward() gives (fwdbwd_unit_cotangent_*); frac_matmul = torch.mm time of "
                         "those GEMMs in this run / variant time; workspace = peak extra - gradients "
                         "of hidden and weight; f32 logits = T V 4 bytes",
                "f32_logits_mib": f32_logits / 2**20, "records": records}
@@ -141,7 +146,7 @@ def main() -> int:
         write_json(args.out, payload)
     print(f"{env['gpu']}  bf16 mm: {mm['tflops']:.0f} TFLOP/s over the three shapes  " + "; ".join(notes))
     print_table(records, ["variant", "fwd_ms", "fwd_frac_matmul", "fwdbwd_ms", "fwdbwd_frac_matmul",
-                          "fwdbwd_workspace_mib", "workspace_frac_f32_logits"])
+                          "fwdbwd_unit_cotangent_frac_matmul", "workspace_frac_f32_logits"])
     return 0
 
 

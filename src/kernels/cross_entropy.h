@@ -63,4 +63,13 @@ int cross_entropy_reduce_cuda(void* out, float* n_valid_out, const float* row_lo
                               int64_t ignore_index, CeReduction reduction, DType dtype,
                               void* stream);
 
+// data[i] *= scale[0] in place (float32 math, rounded to dtype: what ATen's mul_ by a 0-dim
+// tensor gives), for n elements of a contiguous array; both in `dtype`, on the device. When
+// scale[0] is exactly 1 (the usual unit cotangent of a loss) nothing is written: every block
+// returns after one load, without a host sync. linear_cross_entropy's backward applies the
+// incoming cotangent to the gradients its forward computed this way. The grid is sized from
+// sm_count (8 blocks of 256 threads per SM).
+int scale_unless_one_cuda(void* data, int64_t n, DType dtype, const void* scale, int sm_count,
+                          void* stream);
+
 }  // namespace kernelgate::kernels

@@ -322,6 +322,42 @@ __global__ void __launch_bounds__(kReduceThreads)
   }
 }
 
+// ---------------------------------------------------------------- cotangent scaling
+constexpr int kScaleThreads = 256;
+
+// 16-byte vectors over [0, nvec * kN), scalars over the rest; a grid-stride loop.
+template <class T> __global__ void __launch_bounds__(kScaleThreads)
+    scale_unless_one(T* __restrict__ data, int64_t n, const T* __restrict__ scale) {
+  constexpr int kN = Vec<T>::kN;
+  const float f = to_float(*scale);
+  if (f == 1.f) return;
+  const bool vec = (reinterpret_cast<uintptr_t>(data) & 15) == 0;
+  const int64_t nvec = vec ? n / kN : 0;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  uint4* dv = reinterpret_cast<uint4*>(data);
+  for (int64_t i = first; i < nvec; i += stride) {
+    float v[kN];
+    unpack<T>(dv[i], v);
+#pragma unroll
+    for (int k = 0; k < kN; ++k) v[k] *= f;
+    dv[i] = pack<T>(v);
+  }
+  for (int64_t i = nvec * kN + first; i < n; i += stride) data[i] = from_float<T>(to_float(data[i]) * f);
+}
+
+template <class T>
+int launch_scale(void* data, int64_t n, const void* scale, int sm_count, cudaStream_t s) {
+  constexpr int kN = Vec<T>::kN;
+  // 8 blocks per SM of 256 threads: enough loads in flight for the bandwidth.
+  const int64_t want = (n / kN + kScaleThreads - 1) / kScaleThreads;
+  const unsigned grid =
+      unsigned(std::max<int64_t>(1, std::min<int64_t>(want, int64_t(std::max(1, sm_count)) * 8)));
+  scale_unless_one<T><<<grid, kScaleThreads, 0, s>>>(static_cast<T*>(data), n,
+                                                     static_cast<const T*>(scale));
+  return int(cudaGetLastError());
+}
+
 // ---------------------------------------------------------------- launch
 template <class T, int W> int threads_for(int64_t classes) {
   const int64_t units = (classes + W - 1) / W;  // vectors (or scalars) per row
@@ -372,6 +408,19 @@ int cross_entropy_rows_cuda(const CeRowsArgs& a, void* stream) {
     case DType::kFloat32: return ce_detail::launch_typed<float>(a, s);
     case DType::kFloat16: return ce_detail::launch_typed<__half>(a, s);
     case DType::kBFloat16: return ce_detail::launch_typed<__nv_bfloat16>(a, s);
+  }
+  return int(cudaErrorInvalidValue);
+}
+
+int scale_unless_one_cuda(void* data, int64_t n, DType dtype, const void* scale, int sm_count,
+                          void* stream) {
+  if (n < 0 || (n > 0 && (data == nullptr || scale == nullptr))) return int(cudaErrorInvalidValue);
+  if (n == 0) return 0;
+  auto s = static_cast<cudaStream_t>(stream);
+  switch (dtype) {
+    case DType::kFloat32: return ce_detail::launch_scale<float>(data, n, scale, sm_count, s);
+    case DType::kFloat16: return ce_detail::launch_scale<__half>(data, n, scale, sm_count, s);
+    case DType::kBFloat16: return ce_detail::launch_scale<__nv_bfloat16>(data, n, scale, sm_count, s);
   }
   return int(cudaErrorInvalidValue);
 }

@@ -11,8 +11,9 @@
 //
 // Training with reduction "mean" / "sum" (bfloat16, float32): the forward computes the
 // gradients for a unit cotangent, and the backward scales them, in place, by the incoming
-// scalar. Reduction "none" has a per-row cotangent, and float16 must not round its gradients
-// before the cotangent is applied (see LinearCrossEntropyFunction), so their backward
+// scalar (on CUDA not at all when that scalar is exactly 1: _linear_cross_entropy_scale_).
+// Reduction "none" has a per-row cotangent, and float16 must not round its gradients before the
+// cotangent is applied (see LinearCrossEntropyFunction), so their backward
 // (_linear_cross_entropy_bwd) recomputes each chunk's logits from the saved lse.
 //
 // grad_weight precision: grad_weight sums every chunk's dlogits.T @ hidden_c. Accumulated in
@@ -416,6 +417,40 @@ auto& bwd_handle() {
   return h;
 }
 
+// grad *= cotangent (a scalar), in place: the backward of the "mean" / "sum" reductions applies
+// the incoming cotangent to the gradients the forward computed. An op of its own, so that
+// torch.compile and AOT autograd trace it (Meta: nothing to compute). On CUDA our kernel skips
+// the pass over grad when the cotangent is exactly 1 (loss.backward()): grad_weight is
+// classes x hidden, and multiplying it by 1 would cost a read and a write of all of it.
+void scale_cpu(const Tensor& grad, const Tensor& cotangent) {
+  if (grad.numel() > 0) grad.mul_(cotangent);
+}
+
+#ifdef KERNELGATE_WITH_CUDA
+void scale_cuda(const Tensor& grad, const Tensor& cotangent) {
+  if (grad.numel() == 0) return;
+  if (!(grad.is_contiguous() && cotangent.numel() == 1 && cotangent.device() == grad.device() &&
+        cotangent.scalar_type() == grad.scalar_type())) {
+    grad.mul_(cotangent);
+    return;
+  }
+  CudaContext ctx(grad);
+  check_cuda(kernels::scale_unless_one_cuda(grad.data_ptr(), grad.numel(),
+                                            kernel_dtype(grad.scalar_type()),
+                                            cotangent.const_data_ptr(), ctx.sm_count, ctx.stream),
+             "linear_cross_entropy cotangent scaling");
+}
+#endif
+
+void scale_meta(const Tensor&, const Tensor&) {}
+
+auto& scale_handle() {
+  static auto h = c10::Dispatcher::singleton()
+                      .findSchemaOrThrow("kernelgate::_linear_cross_entropy_scale_", "")
+                      .typed<void(const Tensor&, const Tensor&)>();
+  return h;
+}
+
 class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossEntropyFunction> {
  public:
   static Tensor forward(torch::autograd::AutogradContext* ctx, const Tensor& hidden,
@@ -466,8 +501,7 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
     if (precomputed) {
       ctx->saved_data["consumed"] = true;
       gh = s[0], gw = s[1], gb = s[2];
-      for (Tensor* g : {&gh, &gw, &gb})
-        if (g->numel() > 0) g->mul_(dloss);
+      for (const Tensor* g : {&gh, &gw, &gb}) scale_handle().call(*g, dloss);
     } else {
       OptTensor bias = ctx->saved_data["has_bias"].toBool() ? OptTensor(s[3]) : std::nullopt;
       std::tie(gh, gw, gb) = bwd_handle().call(
@@ -529,6 +563,7 @@ void define_linear_cross_entropy(torch::Library& m) {
   m.def("_linear_cross_entropy_bwd(Tensor grad, Tensor hidden, Tensor weight, Tensor target, "
         "Tensor? bias, Tensor lse, int ignore_index, float label_smoothing, str reduction, "
         "bool hidden_grad, bool weight_grad, bool bias_grad) -> (Tensor, Tensor, Tensor)");
+  m.def("_linear_cross_entropy_scale_(Tensor(a!) grad, Tensor cotangent) -> ()");
   // Tests: rows per chunk of the chunked backends (0: automatic); returns the previous value.
   m.def("_linear_cross_entropy_set_chunk_rows(int rows) -> int", &set_chunk_rows);
 }
@@ -574,6 +609,7 @@ TORCH_LIBRARY_IMPL(kernelgate, CPU, m) {
   m.impl("linear_cross_entropy", lce_router);
   m.impl("_linear_cross_entropy_fwd", lce_fwd_router);
   m.impl("_linear_cross_entropy_bwd", lce_bwd_router);
+  m.impl("_linear_cross_entropy_scale_", scale_cpu);
 }
 
 #ifdef KERNELGATE_WITH_CUDA
@@ -581,6 +617,7 @@ TORCH_LIBRARY_IMPL(kernelgate, CUDA, m) {
   m.impl("linear_cross_entropy", lce_router);
   m.impl("_linear_cross_entropy_fwd", lce_fwd_router);
   m.impl("_linear_cross_entropy_bwd", lce_bwd_router);
+  m.impl("_linear_cross_entropy_scale_", scale_cuda);
 }
 #endif
 
@@ -588,6 +625,7 @@ TORCH_LIBRARY_IMPL(kernelgate, Meta, m) {
   m.impl("linear_cross_entropy", lce_meta);
   m.impl("_linear_cross_entropy_fwd", lce_fwd_meta);
   m.impl("_linear_cross_entropy_bwd", lce_bwd_meta);
+  m.impl("_linear_cross_entropy_scale_", scale_meta);
 }
 
 TORCH_LIBRARY_IMPL(kernelgate, Autograd, m) { m.impl("linear_cross_entropy", lce_autograd); }

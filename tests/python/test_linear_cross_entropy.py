@@ -75,13 +75,15 @@ def _run(backend, base, with_bias, target, eps, red, dloss, need, views):
 
 def check(backend, device, dtype, rows, hidden, classes, red="mean", eps=0.0, with_bias=True,
           chunk=0, need=(True, True, True), regime="normal", ignore_frac=0.2,
-          target_dtype=torch.int64, layout="contiguous", seed=0):
+          target_dtype=torch.int64, layout="contiguous", seed=0, dloss_value=None):
     gen = torch.Generator().manual_seed(seed)
     base, target = _inputs(rows, hidden, classes, dtype, device, gen, regime, ignore_frac, target_dtype)
     need = (need[0], need[1], need[2] and with_bias)
     views = _layouts(layout)
     dshape = (rows,) if red == "none" else ()
     dloss = torch.randn(dshape, generator=gen, dtype=torch.float64).to(device, dtype)
+    if dloss_value is not None:  # a given cotangent (loss.backward() gives exactly 1)
+        dloss = torch.full(dshape, dloss_value, device=device, dtype=dtype)
     poison_cuda_allocator(base[0].device)
     with chunk_rows(chunk):
         got, got_g = _run(backend, base, with_bias, target, eps, red, dloss, need, views)
@@ -430,6 +432,17 @@ def test_gpu_large_logits_and_precision(dtype):
     check("kernelgate_cuda", "cuda", dtype, 64, 64, 3000, red="none", chunk=16, regime="large")
     m = check("kernelgate_cuda", "cuda", dtype, 2048, 128, 4096, red="mean", chunk=256)  # 8 chunks
     print(f"\n{dtype} 8 chunks on CUDA: grad_weight {m['grad_weight']}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("red", ["mean", "sum"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dloss_value", [1.0, -1.0, 0.0, 0.375, 3.0])
+def test_gpu_cotangent_values(backend, red, dtype, dloss_value):
+    # The forward's gradients are scaled by the cotangent in the backward; on CUDA that pass is
+    # skipped when the cotangent is exactly 1, and must apply every other value (-1, 0 too).
+    check(backend, "cuda", dtype, 67, 40, 1001, red=red, chunk=16, dloss_value=dloss_value)
 
 
 @pytest.mark.gpu
