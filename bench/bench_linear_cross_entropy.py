@@ -117,6 +117,10 @@ def main() -> int:
     records = []
     for name, f in variants.items():
         try:
+            # The GPU's clock follows its power draw (GEMMs at this size meet the software power
+            # cap), so the rate is also measured right before each variant: a ratio between
+            # neighbours in time.
+            near = matmul_rate(h.detach(), w.detach())
             fwd, fb, fb1, peak, workspace = measure(f, h, w, t, dy, grads_bytes)
         except torch.cuda.OutOfMemoryError as exc:
             records.append({"variant": name, "error": f"out of memory: {exc}"})
@@ -130,6 +134,10 @@ def main() -> int:
             "fwdbwd_frac_matmul": mm["fwdbwd_ms"] / fb["median_ms"],
             "fwdbwd_unit_cotangent_ms": fb1["median_ms"],
             "fwdbwd_unit_cotangent_frac_matmul": mm["fwdbwd_ms"] / fb1["median_ms"],
+            "matmul_adjacent": near,
+            "fwd_frac_matmul_adjacent": near["fwd_ms"] / fwd["median_ms"],
+            "fwdbwd_frac_matmul_adjacent": near["fwdbwd_ms"] / fb["median_ms"],
+            "fwdbwd_unit_cotangent_frac_matmul_adjacent": near["fwdbwd_ms"] / fb1["median_ms"],
             "fwdbwd_peak_extra_mib": peak / 2**20,
             "fwdbwd_workspace_mib": workspace / 2**20,
             "workspace_frac_f32_logits": workspace / f32_logits,
@@ -139,14 +147,16 @@ def main() -> int:
     payload = {**env, "notes": notes, "matmul": mm,
                "model": "fwd: 1 GEMM (2 T H V flop); fwd+bwd: 3 GEMMs, with a random scalar cotangent (fwdbwd_*) "
                         "and with cotangent 1 as loss.backward() gives (fwdbwd_unit_cotangent_*); frac_matmul = torch.mm time of "
-                        "those GEMMs in this run / variant time; workspace = peak extra - gradients "
+                        "those GEMMs in this run / variant time (*_adjacent: measured right before "
+                        "the variant); workspace = peak extra - gradients "
                         "of hidden and weight; f32 logits = T V 4 bytes",
                "f32_logits_mib": f32_logits / 2**20, "records": records}
     if args.out:
         write_json(args.out, payload)
     print(f"{env['gpu']}  bf16 mm: {mm['tflops']:.0f} TFLOP/s over the three shapes  " + "; ".join(notes))
     print_table(records, ["variant", "fwd_ms", "fwd_frac_matmul", "fwdbwd_ms", "fwdbwd_frac_matmul",
-                          "fwdbwd_unit_cotangent_frac_matmul", "workspace_frac_f32_logits"])
+                          "fwdbwd_frac_matmul_adjacent", "fwdbwd_unit_cotangent_frac_matmul_adjacent",
+                          "workspace_frac_f32_logits"])
     return 0
 
 
