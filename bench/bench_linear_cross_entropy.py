@@ -5,7 +5,10 @@ memory.
 
 Matmul model: forward+backward is at least 3 GEMMs of 2 * T * H * V flops (logits, grad_hidden,
 grad_weight), the forward alone 1. The rate is the one plain torch.mm reaches on those three
-shapes in the same run: "frac_matmul" = (time of those torch.mm calls) / (time of the variant).
+shapes in the same run: "frac_matmul" = (time of those torch.mm calls) / (time of the variant),
+against the rate at the start of the run and ("_adjacent") the rate measured right before the
+variant: under this load the GPU's clock follows its power draw. Forward+backward is timed with
+a random scalar cotangent and with cotangent 1 (loss.backward()).
 Memory: peak allocated during the step minus what was allocated before, and "workspace" = that
 minus the gradients any implementation returns (hidden, weight), against the materialised
 float32 logits (T * V * 4 bytes).
@@ -145,11 +148,11 @@ def main() -> int:
         torch.cuda.empty_cache()
     kg.policy.clear()
     payload = {**env, "notes": notes, "matmul": mm,
-               "model": "fwd: 1 GEMM (2 T H V flop); fwd+bwd: 3 GEMMs, with a random scalar cotangent (fwdbwd_*) "
-                        "and with cotangent 1 as loss.backward() gives (fwdbwd_unit_cotangent_*); frac_matmul = torch.mm time of "
-                        "those GEMMs in this run / variant time (*_adjacent: measured right before "
-                        "the variant); workspace = peak extra - gradients "
-                        "of hidden and weight; f32 logits = T V 4 bytes",
+               "model": "fwd: 1 GEMM (2 T H V flop); fwd+bwd: 3 GEMMs, with a random scalar "
+                        "cotangent (fwdbwd_*) and with cotangent 1 as loss.backward() gives "
+                        "(fwdbwd_unit_cotangent_*); frac_matmul = torch.mm time of those GEMMs in "
+                        "this run / variant time (*_adjacent: measured right before the variant); "
+                        "workspace = peak extra - gradients of hidden and weight; f32 logits = T V 4 bytes",
                "f32_logits_mib": f32_logits / 2**20, "records": records}
     if args.out:
         write_json(args.out, payload)
