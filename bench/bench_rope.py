@@ -20,7 +20,7 @@ import sys
 import torch
 
 import kernelgate as kg
-from common import copy_bandwidth_gbps, environment, print_table, same_bytes_copy_gbps, time_ms, write_json
+from common import copy_bandwidth_gbps, environment, measure_fwd_bwd, print_table, write_json
 
 
 def rotate_half(x):
@@ -77,30 +77,6 @@ def liger_variants():
     except Exception as exc:
         out["qk_norm_rope"] = exc
     return out
-
-
-def measure(f, args, leaves, grads, fwd_bytes, bwd_bytes, copy_bw):
-    """Forward (no grad) and forward+backward (gradients of every leaf) of f(*args) -> (q, k)."""
-    fb_bytes = fwd_bytes + bwd_bytes
-    fwd_copy, fb_copy = same_bytes_copy_gbps(fwd_bytes), same_bytes_copy_gbps(fb_bytes)
-    with torch.no_grad():
-        fwd = time_ms(lambda: f(*args()))
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fb = time_ms(lambda: torch.autograd.grad(f(*args())[:2], leaves, grads))
-    peak = torch.cuda.max_memory_allocated() - base
-    fwd_gbps = fwd_bytes / (fwd["median_ms"] * 1e-3) / 1e9
-    fb_gbps = fb_bytes / (fb["median_ms"] * 1e-3) / 1e9
-    return {
-        "fwd_ms": fwd["median_ms"], "fwd_p10_p90_ms": [fwd["p10_ms"], fwd["p90_ms"]],
-        "fwdbwd_ms": fb["median_ms"], "fwdbwd_p10_p90_ms": [fb["p10_ms"], fb["p90_ms"]],
-        "samples": fwd["samples"], "fwd_bytes": fwd_bytes, "fwdbwd_bytes": fb_bytes,
-        "fwd_GBps": fwd_gbps, "fwdbwd_GBps": fb_gbps,
-        "same_bytes_copy_GBps": {"fwd": fwd_copy, "fwdbwd": fb_copy},
-        "fwdbwd_peak_extra_mib": peak / 2**20,
-        "fwd_frac_copy_bw": fwd_gbps / copy_bw, "fwdbwd_frac_copy_bw": fb_gbps / copy_bw,
-        "fwd_frac_same_bytes_copy": fwd_gbps / fwd_copy, "fwdbwd_frac_same_bytes_copy": fb_gbps / fb_copy,
-    }
 
 
 def rotary_tables(seq, d, dtype):
@@ -182,7 +158,7 @@ def main() -> int:
                 rec = {"op": op, "layout": layout, "shape": {"batch": b, "seq": s, "q_heads": hq, "kv_heads": hkv,
                                                              "head_dim": d}, "dtype": a.dtype, "variant": name}
                 try:
-                    rec.update(measure(f, args, leaves, [gq, gk], fwd_bytes, bwd_bytes, copy_bw))
+                    rec.update(measure_fwd_bwd(f, args, [gq, gk], fwd_bytes, bwd_bytes, copy_bw, leaves=leaves))
                 except Exception as exc:  # a peer that cannot run this case: recorded
                     rec["error"] = repr(exc)[:300]
                 records.append(rec)

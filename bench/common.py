@@ -53,17 +53,22 @@ def same_bytes_copy_gbps(op_bytes: int) -> float:
     return copy_bandwidth_gbps(max(op_bytes // 2, 1 << 20))
 
 
-def measure_fwd_bwd(f, inputs, dy, fwd_bytes: int, bwd_bytes: int, copy_bw: float) -> Dict[str, object]:
-    """Times f(*inputs) forward (no grad) and forward+backward (gradients of every input for
-    cotangent dy); returns the record fields: medians and spreads, bytes, GB/s, fractions of
-    copy_bw and of copies moving the same bytes (measured here), peak extra memory."""
+def measure_fwd_bwd(f, inputs, dy, fwd_bytes: int, bwd_bytes: int, copy_bw: float,
+                    leaves=None) -> Dict[str, object]:
+    """Times f(*inputs) forward (no grad) and forward+backward (gradients of the leaves, by
+    default every input, for cotangent(s) dy); returns the record fields: medians and spreads,
+    bytes, GB/s, fractions of copy_bw and of copies moving the same bytes (measured here), peak
+    extra memory. `inputs` may be a callable that makes the arguments afresh for each call
+    (views of the leaves, so that each call's view is part of what is timed)."""
+    args = inputs if callable(inputs) else (lambda: inputs)
+    leaves = list(inputs if leaves is None else leaves)
     fb_bytes = fwd_bytes + bwd_bytes
     fwd_copy, fb_copy = same_bytes_copy_gbps(fwd_bytes), same_bytes_copy_gbps(fb_bytes)
     with torch.no_grad():
-        fwd = time_ms(lambda: f(*inputs))
+        fwd = time_ms(lambda: f(*args()))
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    fb = time_ms(lambda: torch.autograd.grad(f(*inputs), list(inputs), dy))
+    fb = time_ms(lambda: torch.autograd.grad(f(*args()), leaves, dy))
     peak = torch.cuda.max_memory_allocated() - base
     fwd_gbps = fwd_bytes / (fwd["median_ms"] * 1e-3) / 1e9
     fb_gbps = fb_bytes / (fb["median_ms"] * 1e-3) / 1e9
