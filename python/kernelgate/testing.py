@@ -18,7 +18,7 @@ max metric catches a single bad row or element that the L2 metric would average 
 """
 
 import math
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional, Sequence
 
 import torch
 
@@ -91,3 +91,29 @@ def poison_cuda_allocator(device: torch.device, nbytes: int = 1 << 26) -> None:
     for b in blocks:
         b.fill_(float("nan"))
     del blocks
+
+
+def assert_cuda_graph_replays(step: Callable[[], Sequence[torch.Tensor]], refill: Callable[[], None],
+                              rounds: int = 3) -> None:
+    """Captures step() (forward and backward, returning its tensors) in a CUDA graph, after two
+    warm-up calls on a side stream as capture requires; then `rounds` times refills the inputs in
+    place (refill(), under no_grad), replays the graph and asserts that every tensor it returned
+    equals what a fresh eager step() returns."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up outside capture
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for _ in range(rounds):
+        with torch.no_grad():
+            refill()
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = step()
+        assert len(eager) == len(out)
+        for a, e in zip(out, eager):
+            torch.testing.assert_close(a, e)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import kernelgate as kg
-from kernelgate.testing import check_against_oracle, poison_cuda_allocator
+from kernelgate.testing import assert_cuda_graph_replays, check_against_oracle, poison_cuda_allocator
 from norm_inputs import layouts, values
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -372,21 +372,9 @@ def test_gpu_cuda_graph_capture_and_replay(backend):
         y, h = kg.add_rms_norm(x, r, w)
         return (y, h, *torch.autograd.grad((y, h), [x, r, w], (dy, dh)))
 
+    def refill():
+        for t in (x, r, dy, dh):
+            t.copy_(torch.randn_like(t))
+
     with kg.use(force={"add_rms_norm": backend}):
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):  # warm up outside capture
-            for _ in range(2):
-                step()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            out = step()
-        for _ in range(3):
-            with torch.no_grad():
-                for t in (x, r, dy, dh):
-                    t.copy_(torch.randn_like(t))
-            g.replay()
-            torch.cuda.synchronize()
-            for a, b in zip(out, step()):
-                torch.testing.assert_close(a, b)
+        assert_cuda_graph_replays(step, refill)

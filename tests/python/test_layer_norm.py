@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import kernelgate as kg
-from kernelgate.testing import check_against_oracle, poison_cuda_allocator
+from kernelgate.testing import assert_cuda_graph_replays, check_against_oracle, poison_cuda_allocator
 from norm_inputs import layouts, values
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -366,21 +366,9 @@ def test_gpu_cuda_graph_capture_and_replay(backend):
         y = kg.layer_norm(x, w, b)
         return (y, *torch.autograd.grad(y, [x, w, b], dy))
 
+    def refill():
+        x.copy_(torch.randn_like(x) + 3.0)
+        dy.copy_(torch.randn_like(dy))
+
     with kg.use(force={"layer_norm": backend}):
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):  # warm up outside capture
-            for _ in range(2):
-                step()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            out = step()
-        for _ in range(3):
-            with torch.no_grad():
-                x.copy_(torch.randn_like(x) + 3.0)
-                dy.copy_(torch.randn_like(dy))
-            g.replay()
-            torch.cuda.synchronize()
-            for a, e in zip(out, step()):
-                torch.testing.assert_close(a, e)
+        assert_cuda_graph_replays(step, refill)

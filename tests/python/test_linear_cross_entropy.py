@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 import kernelgate as kg
-from kernelgate.testing import FACTOR, FLOOR, _metrics, check_against_oracle, poison_cuda_allocator
+from kernelgate.testing import (FACTOR, FLOOR, _metrics, assert_cuda_graph_replays, check_against_oracle,
+                                poison_cuda_allocator)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 REDUCTIONS = ["mean", "sum", "none"]
@@ -471,22 +472,10 @@ def test_gpu_cuda_graph_capture_and_replay(backend, red):
         y = kg.linear_cross_entropy(h, w, t, b, IGNORE, 0.1, red)
         return (y, *torch.autograd.grad(y, [h, w, b], dy))
 
+    def refill():
+        h.copy_(torch.randn_like(h))
+        t.copy_(torch.randint(0, 3001, (96,), device="cuda"))
+        dy.copy_(torch.randn_like(dy))
+
     with kg.use(force={OP: backend}), chunk_rows(32):
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):  # warm up outside capture
-            for _ in range(2):
-                step()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            out = step()
-        for _ in range(3):
-            with torch.no_grad():
-                h.copy_(torch.randn_like(h))
-                t.copy_(torch.randint(0, 3001, (96,), device="cuda"))
-                dy.copy_(torch.randn_like(dy))
-            g.replay()
-            torch.cuda.synchronize()
-            for a, e in zip(out, step()):
-                torch.testing.assert_close(a, e)
+        assert_cuda_graph_replays(step, refill)

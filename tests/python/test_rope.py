@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import kernelgate as kg
-from kernelgate.testing import _metrics, check_against_oracle, poison_cuda_allocator
+from kernelgate.testing import _metrics, assert_cuda_graph_replays, check_against_oracle, poison_cuda_allocator
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 OPS = ["rope", "qk_norm_rope"]
@@ -626,25 +626,12 @@ def test_gpu_cuda_graph_capture_and_replay(op):
             out, leaves = kg.rope(q, k, case.cos, case.sin), [ql, kl]
         else:
             out, leaves = kg.qk_norm_rope(q, k, qw, kw, case.cos, case.sin), [ql, kl, qw, kw]
-        return out, torch.autograd.grad(out, leaves, [case.gq, case.gk])
+        return (*out, *torch.autograd.grad(out, leaves, [case.gq, case.gk]))
+
+    def refill():
+        ql.copy_(torch.randn_like(ql))
+        kl.copy_(torch.randn_like(kl))
+        case.gq.copy_(torch.randn_like(case.gq))
 
     with kg.use(force={op: "kernelgate_cuda"}):
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(2):
-                step()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            out, grads = step()
-        for _ in range(3):
-            with torch.no_grad():
-                ql.copy_(torch.randn_like(ql))
-                kl.copy_(torch.randn_like(kl))
-                case.gq.copy_(torch.randn_like(case.gq))
-            g.replay()
-            torch.cuda.synchronize()
-            eout, egrads = step()
-            for a, b in zip(list(out) + list(grads), list(eout) + list(egrads)):
-                torch.testing.assert_close(a, b)
+        assert_cuda_graph_replays(step, refill)
