@@ -202,9 +202,11 @@ std::tuple<Tensor, Tensor, Tensor> reference_fwd(const Tensor& logits, const Ten
   return {loss, s.lse, n_valid};
 }
 
-Tensor reference_bwd(const Tensor& dloss, const Tensor& logits, const Tensor& target,
-                     const Tensor& lse, const Tensor& n_valid, int64_t ignore_index, double eps,
-                     CeReduction red) {
+// The backward of every backend: one gradient step over all rows into a new contiguous
+// gradient, from the forward's lse; `step` gets logits, target and lse as the caller gives them.
+Tensor grad_step(ce::ChunkStepFn step, const Tensor& dloss, const Tensor& logits,
+                 const Tensor& target, const Tensor& lse, const Tensor& n_valid,
+                 int64_t ignore_index, double eps, CeReduction red) {
   ce::ChunkStep s;
   s.logits = logits;
   s.target = target;
@@ -215,8 +217,14 @@ Tensor reference_bwd(const Tensor& dloss, const Tensor& logits, const Tensor& ta
   if (red == CeReduction::kMean) s.n_valid = n_valid;
   s.ignore_index = ignore_index;
   s.label_smoothing = eps;
-  ce::aten_chunk_step(s);
+  step(s);
   return s.grad_out;
+}
+
+Tensor reference_bwd(const Tensor& dloss, const Tensor& logits, const Tensor& target,
+                     const Tensor& lse, const Tensor& n_valid, int64_t ignore_index, double eps,
+                     CeReduction red) {
+  return grad_step(ce::aten_chunk_step, dloss, logits, target, lse, n_valid, ignore_index, eps, red);
 }
 
 // ---- kernelgate_cuda
@@ -258,18 +266,8 @@ std::tuple<Tensor, Tensor, Tensor> cuda_fwd(const Tensor& logits, const Tensor& 
 
 Tensor cuda_bwd(const Tensor& dloss, const Tensor& logits, const Tensor& target, const Tensor& lse,
                 const Tensor& n_valid, int64_t ignore_index, double eps, CeReduction red) {
-  ce::ChunkStep s;
-  s.logits = ce::unit_stride_rows(logits);
-  s.target = target.contiguous();
-  s.lse = lse.contiguous();
-  s.stats = false;
-  s.grad_out = at::empty(logits.sizes(), logits.options().memory_format(at::MemoryFormat::Contiguous));
-  s.dloss = dloss;
-  if (red == CeReduction::kMean) s.n_valid = n_valid;
-  s.ignore_index = ignore_index;
-  s.label_smoothing = eps;
-  ce::cuda_chunk_step(s);
-  return s.grad_out;
+  return grad_step(ce::cuda_chunk_step, dloss, ce::unit_stride_rows(logits), target.contiguous(),
+                   lse.contiguous(), n_valid, ignore_index, eps, red);
 }
 
 Support cuda_can_implement(const CallView& call) {
