@@ -1,6 +1,7 @@
 // kernelgate's C++ API: each op routed to the fastest backend proven correct for the call.
 // Calls go through PyTorch's dispatcher, so autograd, torch.compile and CUDA graphs work as they
-// do from Python (torch.ops.kernelgate.<op>).
+// do from Python (torch.ops.kernelgate.<op>). Every op, including those without a function here,
+// is also reachable as kernelgate::typed_op<Signature>("<op>") (kernelgate/op.h).
 #pragma once
 #include <ATen/core/Tensor.h>
 
@@ -8,10 +9,6 @@
 #include <tuple>
 
 #include "kernelgate/dispatch.h"
-
-namespace torch {
-class Library;
-}
 
 namespace kernelgate {
 
@@ -66,42 +63,5 @@ at::Tensor linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weig
                                 const std::optional<at::Tensor>& bias = std::nullopt,
                                 int64_t ignore_index = -100, double label_smoothing = 0.0,
                                 c10::string_view reduction = "mean");
-
-// A typed rms_norm backend. Forward returns (y, rstd): rstd float32 of x.shape[:-1], and may be
-// undefined when want_rstd is false. Backward returns (dx, dweight): dweight an empty tensor
-// when weight_grad is false or there is no weight.
-using RmsNormFwd = std::tuple<at::Tensor, at::Tensor> (*)(const at::Tensor& x,
-                                                         const std::optional<at::Tensor>& weight,
-                                                         double eps, bool want_rstd);
-using RmsNormBwd = std::tuple<at::Tensor, at::Tensor> (*)(const at::Tensor& grad,
-                                                         const at::Tensor& x,
-                                                         const std::optional<at::Tensor>& weight,
-                                                         const at::Tensor& rstd, bool weight_grad);
-void add_rms_norm_backend(Dispatcher& d, BackendDesc desc, RmsNormFwd fwd, RmsNormBwd bwd);
-
-// Per-op registration, called from src/ops/all_ops.cpp.
-OpContract rms_norm_contract();
-void define_rms_norm(torch::Library& m);
-void register_rms_norm(Dispatcher& d);
-OpContract swiglu_contract();
-OpContract geglu_contract();
-void define_gated(torch::Library& m);
-void register_gated_ops(Dispatcher& d);
-OpContract add_rms_norm_contract();
-void define_add_rms_norm(torch::Library& m);
-void register_add_rms_norm(Dispatcher& d);
-OpContract layer_norm_contract();
-void define_layer_norm(torch::Library& m);
-void register_layer_norm(Dispatcher& d);
-OpContract rope_contract();
-OpContract qk_norm_rope_contract();
-void define_rope(torch::Library& m);
-void register_rope_ops(Dispatcher& d);
-OpContract cross_entropy_contract();
-void define_cross_entropy(torch::Library& m);
-void register_cross_entropy(Dispatcher& d);
-OpContract linear_cross_entropy_contract();
-void define_linear_cross_entropy(torch::Library& m);
-void register_linear_cross_entropy(Dispatcher& d);
 
 }  // namespace kernelgate

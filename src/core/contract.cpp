@@ -98,6 +98,15 @@ void parse_dims(OpContract& c) {
               "op ", c.name, ": too many tensor arguments or named dims");
 }
 
+std::string one_of(const std::vector<std::string>& values) {
+  std::string out;
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (i) out += i + 1 == values.size() ? " or " : ", ";
+    out += "'" + values[i] + "'";
+  }
+  return out;
+}
+
 uint16_t variant_of(const OpContract& c, const std::map<std::string, std::string>& strings) {
   uint16_t variant = 0;
   for (const auto& [name, values] : c.variant_args) {
@@ -105,9 +114,7 @@ uint16_t variant_of(const OpContract& c, const std::map<std::string, std::string
     if (it == strings.end()) continue;
     auto pos = std::find(values.begin(), values.end(), it->second);
     if (pos == values.end()) {
-      std::string allowed;
-      for (const auto& v : values) allowed += (allowed.empty() ? "'" : ", '") + v + "'";
-      TORCH_CHECK(false, c.name, ": ", name, " must be one of ", allowed, ", got '", it->second, "'");
+      TORCH_CHECK(false, c.name, ": ", name, " must be ", one_of(values), ", got '", it->second, "'");
     }
     variant = static_cast<uint16_t>(variant * values.size() + (pos - values.begin()));
   }

@@ -8,6 +8,7 @@
 // changes policy or overrides.
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
@@ -123,17 +124,19 @@ Dispatcher::~Dispatcher() = default;
 
 Dispatcher& Dispatcher::get() {
   // Leaked on purpose: op registrations and thread-local caches may outlive static destruction.
-  static Dispatcher* instance = [] {
-    auto* d = new Dispatcher();
-    register_builtin_ops(*d);
-    return d;
-  }();
+  static Dispatcher* instance = new Dispatcher();
   return *instance;
 }
 
-OpId Dispatcher::add_op(OpContract contract, BackendDesc reference) {
-  TORCH_INTERNAL_ASSERT(reference.kind == BackendKind::kReference);
-  parse_dims(contract);
+const char* intern(const std::string& text) {
+  static std::mutex mu;
+  static auto* texts = new std::set<std::string>();  // leaked: reasons outlive static destruction
+  std::lock_guard<std::mutex> lock(mu);
+  return texts->insert(text).first->c_str();
+}
+
+OpId Dispatcher::add_op(OpContract contract) {
+  if (contract.tensor_args.empty()) parse_dims(contract);
   std::lock_guard<std::mutex> lock(impl_->mu);
   TORCH_CHECK(impl_->ops.size() < kMaxOps, "too many ops registered (", kMaxOps, ")");
   for (const auto& e : impl_->ops) {
@@ -142,8 +145,8 @@ OpId Dispatcher::add_op(OpContract contract, BackendDesc reference) {
   auto entry = std::make_unique<OpEntry>();
   entry->id = static_cast<OpId>(impl_->ops.size());
   entry->contract = std::move(contract);
-  entry->availability.push_back(Support::yes());
-  entry->backends.push_back(std::move(reference));
+  entry->backends.reserve(kMaxBackends);
+  entry->availability.reserve(kMaxBackends);
   impl_->ops.push_back(std::move(entry));
   impl_->bump();
   return impl_->ops.back()->id;
@@ -152,17 +155,32 @@ OpId Dispatcher::add_op(OpContract contract, BackendDesc reference) {
 int Dispatcher::add_backend(OpId op, BackendDesc backend) {
   // `available` may import or probe: run it outside the lock.
   Support avail = backend.available ? backend.available() : Support::yes();
+  if (avail.ok && !backend.impl) avail = Support::no("the backend has no implementation");
+  if (backend.impl && !backend.impl->has_backward()) {
+    // A forward-only backend: calls that need gradients go to the next ranked backend.
+    auto inner = std::move(backend.can_implement);
+    backend.can_implement = [inner](const CallView& call) {
+      if (call.grad) return Support::no("forward only (no backward): serves calls that need no gradient");
+      return inner ? inner(call) : Support::yes();
+    };
+  }
+  if (!backend.can_implement) backend.can_implement = [](const CallView&) { return Support::yes(); };
   std::lock_guard<std::mutex> lock(impl_->mu);
   TORCH_CHECK(op < impl_->ops.size(), "unknown op id ", op);
   OpEntry& e = *impl_->ops[op];
   TORCH_CHECK(e.backends.size() < kMaxBackends, "op ", e.contract.name, " has too many backends");
+  TORCH_CHECK((backend.kind == BackendKind::kReference) == e.backends.empty(), "op ",
+              e.contract.name, ": its first backend, and only that one, is its reference (got ",
+              backend.name, ")");
+  TORCH_CHECK(!e.backends.empty() || avail.ok, "op ", e.contract.name,
+              ": its reference must be available (", avail.reason, ")");
   for (const auto& b : e.backends) {
     TORCH_CHECK(b.name != backend.name, "backend ", backend.name, " is already registered for ",
                 e.contract.name);
   }
-  TORCH_CHECK(backend.can_implement, "backend ", backend.name, " has no can_implement");
-  e.backends.push_back(std::move(backend));
+  // The entries are complete before the size grows: a router that sees the new index sees them.
   e.availability.push_back(avail);
+  e.backends.push_back(std::move(backend));
   impl_->bump();
   return static_cast<int>(e.backends.size()) - 1;
 }
@@ -182,9 +200,12 @@ const OpEntry* Dispatcher::find_op(const std::string& name) const {
 }
 
 std::vector<std::string> Dispatcher::op_names() const {
-  std::lock_guard<std::mutex> lock(impl_->mu);
   std::vector<std::string> out;
-  for (const auto& e : impl_->ops) out.push_back(e->contract.name);
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    for (const auto& e : impl_->ops) out.push_back(e->contract.name);
+  }
+  std::sort(out.begin(), out.end());  // ops register in whatever order their files load
   return out;
 }
 

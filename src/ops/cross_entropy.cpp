@@ -1,13 +1,10 @@
 // cross_entropy: contract, the shared reference math and chunk steps (ops/cross_entropy_common.h),
-// backends (reference, kernelgate_cuda), routers, Meta and autograd.
+// backends (reference, kernelgate_cuda).
 #include <ATen/ATen.h>
-#include <torch/autograd.h>
-#include <torch/library.h>
 
 #include <cmath>
 #include <limits>
 
-#include "kernelgate/dispatch.h"
 #include "kernelgate/kernelgate.h"
 #include "kernels/cross_entropy.h"
 #include "ops/cross_entropy_common.h"
@@ -174,9 +171,6 @@ using CeBwd = Tensor (*)(const Tensor& dloss, const Tensor& logits, const Tensor
                          const Tensor& lse, const Tensor& n_valid, int64_t ignore_index, double eps,
                          CeReduction red);
 
-OpId g_op = kNoOp;
-std::array<CeFwd, kMaxBackends> g_fwd{};
-std::array<CeBwd, kMaxBackends> g_bwd{};
 constexpr const char* kOp = "cross_entropy";
 
 Tensor rows_f32(const Tensor& logits) {
@@ -279,94 +273,34 @@ Support cuda_can_implement(const CallView& call) {
 }
 #endif
 
-// ---- routers, Meta, autograd
+// ---- checks, shapes and the protocol
 
-CallView make_call(const Tensor& logits, const Tensor& target, CeReduction red, bool grad) {
-  CallView call;
-  call.num_tensors = 2;
-  call.tensors = {&logits, &target};
-  call.grad = grad;
-  call.variant = static_cast<uint16_t>(red);  // the order of variant_args' reduction values
-  return call;
+using Triple = std::tuple<Tensor, Tensor, Tensor>;
+
+template <CeFwd F>
+Triple forward(const Tensor& logits, const Tensor& target, int64_t ignore_index, double eps,
+               c10::string_view reduction, GradRequest need) {
+  return F(logits, target, ignore_index, eps, ce::parse_reduction(kOp, reduction), need.any());
 }
 
-const OpContract& contract() { return Dispatcher::get().op(g_op).contract; }
-
-void check_call_and_scalars(const CallView& call, int64_t ignore_index, double eps) {
-  check_call(contract(), call);
-  const Tensor& logits = *call.tensors[0];
-  ce::check_scalars(kOp, "logits.size(1)", logits.size(0), logits.size(1), eps);
-  ce::check_targets_on_cpu(kOp, *call.tensors[1], logits.size(1), ignore_index);
+template <CeBwd B>
+Tensor backward(const Tensor& dloss, const Tensor& logits, const Tensor& target, const Tensor& lse,
+                const Tensor& n_valid, int64_t ignore_index, double eps, c10::string_view reduction,
+                GradRequest) {
+  return B(dloss, logits, target, lse, n_valid, ignore_index, eps, ce::parse_reduction(kOp, reduction));
 }
 
-int route(const Tensor& logits, const Tensor& target, int64_t ignore_index, double eps,
-          CeReduction red, bool grad) {
-  CallView call = make_call(logits, target, red, grad);
-  BoundDims dims = check_call(contract(), call);
+void check_args(const Tensor& logits, const Tensor& target, int64_t ignore_index, double eps,
+                c10::string_view) {
   ce::check_scalars(kOp, "logits.size(1)", logits.size(0), logits.size(1), eps);
   ce::check_targets_on_cpu(kOp, target, logits.size(1), ignore_index);
-  return Dispatcher::get().select(g_op, call, dims);
 }
 
-Tensor ce_router(const Tensor& logits, const Tensor& target, int64_t ignore_index, double eps,
-                 c10::string_view reduction) {
-  const CeReduction red = ce::parse_reduction(kOp, reduction);
-  const int b = route(logits, target, ignore_index, eps, red, /*grad=*/false);
-  return std::get<0>(g_fwd[b](logits, target, ignore_index, eps, red, /*want_stats=*/false));
-}
-
-std::tuple<Tensor, Tensor, Tensor> ce_fwd_router(const Tensor& logits, const Tensor& target,
-                                                 int64_t ignore_index, double eps,
-                                                 c10::string_view reduction) {
-  const CeReduction red = ce::parse_reduction(kOp, reduction);
-  const int b = route(logits, target, ignore_index, eps, red, /*grad=*/true);
-  return g_fwd[b](logits, target, ignore_index, eps, red, /*want_stats=*/true);
-}
-
-void check_bwd_args(const Tensor& dloss, const Tensor& logits, const Tensor& lse, CeReduction red) {
-  const bool none = red == CeReduction::kNone;
-  TORCH_CHECK(none ? (dloss.dim() == 1 && dloss.size(0) == logits.size(0)) : dloss.dim() == 0, kOp,
-              " backward: grad must have the loss's shape (", none ? "[rows]" : "[]", "), got ",
-              dloss.sizes());
-  TORCH_CHECK(dloss.scalar_type() == logits.scalar_type(), kOp, " backward: grad must have dtype ",
-              logits.scalar_type(), ", got ", dloss.scalar_type());
-  TORCH_CHECK(lse.dim() == 1 && lse.size(0) == logits.size(0) && lse.scalar_type() == at::kFloat,
-              kOp, " backward: lse must be float32 [rows]");
-}
-
-Tensor ce_bwd_router(const Tensor& dloss, const Tensor& logits, const Tensor& target,
-                     const Tensor& lse, const Tensor& n_valid, int64_t ignore_index, double eps,
-                     c10::string_view reduction) {
-  const CeReduction red = ce::parse_reduction(kOp, reduction);
-  check_bwd_args(dloss, logits, lse, red);
-  const int b = route(logits, target, ignore_index, eps, red, /*grad=*/true);
-  return g_bwd[b](dloss, logits, target, lse, n_valid, ignore_index, eps, red);
-}
-
-Tensor loss_meta(const Tensor& logits, CeReduction red) {
-  return red == CeReduction::kNone ? at::empty({logits.size(0)}, logits.options())
-                                   : at::empty({}, logits.options());
-}
-
-Tensor ce_meta(const Tensor& logits, const Tensor& target, int64_t ignore_index, double eps,
-               c10::string_view reduction) {
-  const CeReduction red = ce::parse_reduction(kOp, reduction);
-  check_call_and_scalars(make_call(logits, target, red, false), ignore_index, eps);
-  return loss_meta(logits, red);
-}
-
-std::tuple<Tensor, Tensor, Tensor> ce_fwd_meta(const Tensor& logits, const Tensor& target,
-                                               int64_t ignore_index, double eps,
-                                               c10::string_view reduction) {
-  Tensor loss = ce_meta(logits, target, ignore_index, eps, reduction);
+Triple meta(const Tensor& logits, const Tensor&, int64_t, double, c10::string_view reduction) {
+  Tensor loss = ce::parse_reduction(kOp, reduction) == CeReduction::kNone
+                    ? at::empty({logits.size(0)}, logits.options())
+                    : at::empty({}, logits.options());
   return {loss, rows_f32(logits), at::empty({}, logits.options().dtype(at::kFloat))};
-}
-
-Tensor ce_bwd_meta(const Tensor& dloss, const Tensor& logits, const Tensor& target,
-                   const Tensor& lse, const Tensor& n_valid, int64_t ignore_index, double eps,
-                   c10::string_view reduction) {
-  check_bwd_args(dloss, logits, lse, ce::parse_reduction(kOp, reduction));
-  return at::empty(logits.sizes(), logits.options().memory_format(at::MemoryFormat::Contiguous));
 }
 
 Tensor ce_reference_op(const Tensor& logits, const Tensor& target, int64_t ignore_index, double eps,
@@ -377,68 +311,7 @@ Tensor ce_reference_op(const Tensor& logits, const Tensor& target, int64_t ignor
   return ce::reference_loss(logits, target, ignore_index, eps, red);
 }
 
-auto& op_handle() {
-  static auto h = c10::Dispatcher::singleton()
-                      .findSchemaOrThrow("kernelgate::cross_entropy", "")
-                      .typed<Tensor(const Tensor&, const Tensor&, int64_t, double, c10::string_view)>();
-  return h;
-}
-
-auto& fwd_handle() {
-  static auto h = c10::Dispatcher::singleton()
-                      .findSchemaOrThrow("kernelgate::_cross_entropy_fwd", "")
-                      .typed<std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, int64_t,
-                                                                double, c10::string_view)>();
-  return h;
-}
-
-auto& bwd_handle() {
-  static auto h = c10::Dispatcher::singleton()
-                      .findSchemaOrThrow("kernelgate::_cross_entropy_bwd", "")
-                      .typed<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                    const Tensor&, int64_t, double, c10::string_view)>();
-  return h;
-}
-
-class CrossEntropyFunction : public torch::autograd::Function<CrossEntropyFunction> {
- public:
-  static Tensor forward(torch::autograd::AutogradContext* ctx, const Tensor& logits,
-                        const Tensor& target, int64_t ignore_index, double eps,
-                        c10::string_view reduction) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    auto [loss, lse, n_valid] = fwd_handle().call(logits, target, ignore_index, eps, reduction);
-    ctx->save_for_backward({logits, target, lse, n_valid});
-    ctx->saved_data["ignore_index"] = ignore_index;
-    ctx->saved_data["label_smoothing"] = eps;
-    ctx->saved_data["reduction"] = std::string(reduction);
-    return loss;
-  }
-
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    if (!grads[0].defined()) return {Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
-    auto s = ctx->get_saved_variables();
-    Tensor dlogits = bwd_handle().call(grads[0], s[0], s[1], s[2], s[3],
-                                       ctx->saved_data["ignore_index"].toInt(),
-                                       ctx->saved_data["label_smoothing"].toDouble(),
-                                       ctx->saved_data["reduction"].toStringRef());
-    return {dlogits, Tensor(), Tensor(), Tensor(), Tensor()};
-  }
-};
-
-Tensor ce_autograd(c10::DispatchKeySet ks, const Tensor& logits, const Tensor& target,
-                   int64_t ignore_index, double eps, c10::string_view reduction) {
-  if (at::GradMode::is_enabled() && logits.requires_grad()) {
-    return CrossEntropyFunction::apply(logits, target, ignore_index, eps, reduction);
-  }
-  at::AutoDispatchBelowADInplaceOrView guard;
-  return op_handle().redispatch(ks & c10::after_ADInplaceOrView_keyset, logits, target,
-                                ignore_index, eps, reduction);
-}
-
-}  // namespace
-
-OpContract cross_entropy_contract() {
+OpContract contract() {
   OpContract c;
   c.name = kOp;
   c.schema =
@@ -455,68 +328,33 @@ OpContract cross_entropy_contract() {
       c.production_shapes.push_back({{"rows", rows}, {"classes", classes}});
     }
   }
+  c.outputs = {"loss"};
+  // lse: float32 [rows]; n_valid: the float32 count of rows not ignored.
+  c.extras = {"lse", "n_valid"};
+  c.saved = {"logits", "target", "lse", "n_valid"};
   return c;
 }
 
-void define_cross_entropy(torch::Library& m) {
-  m.def(torch::schema(cross_entropy_contract().schema.c_str()));
-  m.def("_cross_entropy_reference(Tensor logits, Tensor target, int ignore_index=-100, "
-        "float label_smoothing=0.0, str reduction=\"mean\") -> Tensor");
-  m.def("_cross_entropy_fwd(Tensor logits, Tensor target, int ignore_index, float label_smoothing, "
-        "str reduction) -> (Tensor, Tensor, Tensor)");
-  m.def("_cross_entropy_bwd(Tensor grad, Tensor logits, Tensor target, Tensor lse, Tensor n_valid, "
-        "int ignore_index, float label_smoothing, str reduction) -> Tensor");
-}
-
-void register_cross_entropy(Dispatcher& d) {
-  g_op = d.add_op(cross_entropy_contract(),
-                  BackendDesc{"reference", BackendKind::kReference, nullptr, nullptr});
-  g_fwd[0] = reference_fwd;
-  g_bwd[0] = reference_bwd;
-  const size_t index = d.op(g_op).backends.size();
+const OpId kOpId = OpDeclaration(contract())
+    .reference(ce_reference_op)
+    .meta(meta)
+    .check(check_args)
+    .backend("reference", BackendKind::kReference, forward<reference_fwd>, backward<reference_bwd>)
 #ifdef KERNELGATE_WITH_CUDA
-  // Typed entries first: the router may pick the backend as soon as it is published.
-  g_fwd[index] = cuda_fwd;
-  g_bwd[index] = cuda_bwd;
-  d.add_backend(g_op, {"kernelgate_cuda", BackendKind::kKernelgate, cuda_available, cuda_can_implement});
+    .backend("kernelgate_cuda", BackendKind::kKernelgate, forward<cuda_fwd>, backward<cuda_bwd>,
+             cuda_can_implement, cuda_available)
 #else
-  g_fwd[index] = reference_fwd;
-  g_bwd[index] = reference_bwd;
-  d.add_backend(g_op, {"kernelgate_cuda", BackendKind::kKernelgate,
-                       [] { return Support::no("this build has no CUDA support"); },
-                       [](const CallView&) { return Support::no("this build has no CUDA support"); }});
+    .unavailable("kernelgate_cuda", BackendKind::kKernelgate, kNoCudaBuild)
 #endif
-}
+    .install();
+
+}  // namespace
 
 at::Tensor cross_entropy(const at::Tensor& logits, const at::Tensor& target, int64_t ignore_index,
                          double label_smoothing, c10::string_view reduction) {
-  return op_handle().call(logits, target, ignore_index, label_smoothing, reduction);
-}
-
-TORCH_LIBRARY_IMPL(kernelgate, CPU, m) {
-  m.impl("cross_entropy", ce_router);
-  m.impl("_cross_entropy_fwd", ce_fwd_router);
-  m.impl("_cross_entropy_bwd", ce_bwd_router);
-}
-
-#ifdef KERNELGATE_WITH_CUDA
-TORCH_LIBRARY_IMPL(kernelgate, CUDA, m) {
-  m.impl("cross_entropy", ce_router);
-  m.impl("_cross_entropy_fwd", ce_fwd_router);
-  m.impl("_cross_entropy_bwd", ce_bwd_router);
-}
-#endif
-
-TORCH_LIBRARY_IMPL(kernelgate, Meta, m) {
-  m.impl("cross_entropy", ce_meta);
-  m.impl("_cross_entropy_fwd", ce_fwd_meta);
-  m.impl("_cross_entropy_bwd", ce_bwd_meta);
-}
-
-TORCH_LIBRARY_IMPL(kernelgate, Autograd, m) { m.impl("cross_entropy", ce_autograd); }
-
-TORCH_LIBRARY_IMPL(kernelgate, CompositeImplicitAutograd, m) {
-  m.impl("_cross_entropy_reference", ce_reference_op);
+  static const auto op = typed_op<Tensor(const Tensor&, const Tensor&, int64_t, double, c10::string_view)>(
+      "cross_entropy");
+  return op.call(logits, target, ignore_index, label_smoothing, reduction);
 }
 
 }  // namespace kernelgate

@@ -1,12 +1,12 @@
-// Helpers shared by op launchers: 2-D row views for the kernels, dtype mapping, CUDA context.
-// Included only by src/ops/*.cpp (it sees at::Tensor; kernels never do).
+// Helpers shared by op files: the declaration API, 2-D row views for the kernels, dtype mapping,
+// CUDA context. Included only by src/ops/*.cpp (it sees at::Tensor; kernels never do).
 #pragma once
 #include <ATen/ATen.h>
 
 #include <cstdio>
 #include <string>
 
-#include "kernelgate/dispatch.h"
+#include "kernelgate/op.h"
 #include "kernels/dtype.h"
 
 #ifdef KERNELGATE_WITH_CUDA
@@ -16,6 +16,9 @@
 #endif
 
 namespace kernelgate {
+
+// The reason a CUDA backend is listed but unavailable in a build without CUDA.
+constexpr const char* kNoCudaBuild = "this build has no CUDA support";
 
 // A double in an error message. snprintf, not an ostream: in a process where a library loaded
 // earlier exports its own copy of libstdc++'s stream internals (as on our H200 machine),

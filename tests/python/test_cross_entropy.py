@@ -233,7 +233,7 @@ def test_meta_shapes():
     t = torch.empty(3, device="meta", dtype=torch.long)
     assert kg.cross_entropy(x, t).shape == () and kg.cross_entropy(x, t).dtype == torch.bfloat16
     assert kg.cross_entropy(x, t, reduction="none").shape == (3,)
-    loss, lse, n = torch.ops.kernelgate._cross_entropy_fwd(x, t, IGNORE, 0.0, "mean")
+    loss, lse, n = torch.ops.kernelgate._cross_entropy_fwd(x, t, IGNORE, 0.0, "mean", 1)  # needs: logits
     assert lse.shape == (3,) and lse.dtype == torch.float32 and n.shape == ()
 
 

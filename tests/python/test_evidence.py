@@ -283,7 +283,9 @@ def test_db_path_follows_the_environment(tmp_path, capsys, monkeypatch):
 
 def test_cli_ops_explain_json(capsys):
     ops = run(capsys, "ops")
-    assert ops[0]["name"] == "rms_norm" and ops[0]["backends"][0]["name"] == "reference"
+    assert [o["name"] for o in ops] == sorted(o["name"] for o in ops)
+    rms = next(o for o in ops if o["name"] == "rms_norm")
+    assert rms["backends"][0]["name"] == "reference"
     e = run(capsys, "explain", "rms_norm", "--shape", "x=8x64", "--dtype", "float32", "--device", "cpu")
     assert e["backend"] and len(e["candidates"]) >= 4
     with pytest.raises(SystemExit):

@@ -18,6 +18,9 @@ from kernelgate.testing import (FACTOR, FLOOR, _metrics, assert_cuda_graph_repla
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 REDUCTIONS = ["mean", "sum", "none"]
 IGNORE = -100
+# The internal ops' gradient mask: a bit per tensor argument (hidden, weight, target, bias).
+NEEDS_HIDDEN, NEEDS_WEIGHT, NEEDS_BIAS = 1, 2, 8
+NEEDS_ALL = NEEDS_HIDDEN | NEEDS_WEIGHT | NEEDS_BIAS
 OP = "linear_cross_entropy"
 oracle_op = torch.ops.kernelgate._linear_cross_entropy_reference
 set_chunk_rows = torch.ops.kernelgate._linear_cross_entropy_set_chunk_rows
@@ -250,8 +253,8 @@ def test_cpu_recomputing_backward_matches_precomputed(backend, red):
     (h, w, b), t = _inputs(30, 12, 70, torch.float32, "cpu", gen, "normal", 0.2, torch.int64)
     dloss = torch.tensor(0.7)
     with kg.use(force={OP: backend}), chunk_rows(8):
-        loss, lse, gh, gw, gb = torch.ops.kernelgate._linear_cross_entropy_fwd(h, w, t, b, IGNORE, 0.1, red, True, True, True)
-        rh, rw, rb = torch.ops.kernelgate._linear_cross_entropy_bwd(dloss, h, w, t, b, lse, IGNORE, 0.1, red, True, True, True)
+        loss, lse, gh, gw, gb = torch.ops.kernelgate._linear_cross_entropy_fwd(h, w, t, b, IGNORE, 0.1, red, NEEDS_ALL)
+        rh, rw, rb = torch.ops.kernelgate._linear_cross_entropy_bwd(dloss, h, w, t, b, lse, IGNORE, 0.1, red, NEEDS_ALL)
     for p, r in [(gh, rh), (gw, rw), (gb, rb)]:
         torch.testing.assert_close(p * dloss, r)
 
@@ -341,7 +344,7 @@ def test_meta_shapes():
     t = torch.empty(5, device="meta", dtype=torch.long)
     assert kg.linear_cross_entropy(h, w, t).shape == ()
     assert kg.linear_cross_entropy(h, w, t, b, reduction="none").shape == (5,)
-    loss, lse, gh, gw, gb = torch.ops.kernelgate._linear_cross_entropy_fwd(h, w, t, b, IGNORE, 0.0, "sum", True, False, True)
+    loss, lse, gh, gw, gb = torch.ops.kernelgate._linear_cross_entropy_fwd(h, w, t, b, IGNORE, 0.0, "sum", NEEDS_HIDDEN | NEEDS_BIAS)
     assert lse.shape == (5,) and gh.shape == (5, 8) and gw.shape == (0,) and gb.shape == (11,)
 
 
