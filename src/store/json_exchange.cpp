@@ -146,8 +146,8 @@ void write_object(std::string& out, const ordered_json& object, BadUtf8 bad_utf8
   out += '}';
 }
 
-// JSON leaves the meaning of a repeated member name open (nlohmann keeps the last one); a
-// document that has one is refused rather than read either way.
+// JSON leaves the meaning of a repeated member name open (nlohmann keeps the last one), so where
+// a name is read, a repeated one is refused rather than read either way.
 class MemberNames {
  public:
   // Call for every parse event; false for the key event of a name its object already had.
@@ -201,7 +201,7 @@ class DocumentReader {
 
   // Returns whether the parser keeps what the event completes (see nlohmann's parser_callback_t).
   bool on_event(int depth, Event event, json& parsed) {
-    if (!names_.see(depth, event, parsed)) {
+    if (names_matter(depth) && !names_.see(depth, event, parsed)) {
       const std::string at = section_.empty() ? "the document"
                              : depth > 3      ? where() + "." + row_member_
                                               : where();
@@ -221,6 +221,13 @@ class DocumentReader {
     take_row(parsed);
     ++row_;
     return false;  // handled: not kept
+  }
+
+  // A name repeated in the document, in a row or in a row's backend_versions is refused; inside
+  // any other member it is ignored with that member.
+  bool names_matter(int depth) const {
+    if (depth <= 1) return true;
+    return !section_.empty() && (depth <= 3 || row_member_ == "backend_versions");
   }
 
   // An event of a member of the document itself.

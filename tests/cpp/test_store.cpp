@@ -896,16 +896,17 @@ TEST_F(JsonExchangeTest, ExportReplacesBytesThatAreNotUtf8) {
 
 TEST_F(JsonExchangeTest, ImportIgnoresUnknownMembersAtAnyDepth) {
   std::string text = exported(2);
-  // Before the header (holding names of our own members, which mean nothing there), between the
-  // sections, at the end, and inside rows.
+  // Before the header (holding names of our own members, which mean nothing there, and a
+  // repeated name), between the sections, at the end, and inside rows.
   text.replace(0, 2,
                "{\n\"comment\": {\"format\": 2, \"fingerprints\": [{\"id\": 1}], "
-               "\"a\": [[], {}]},\n");
+               "\"a\": [[], {}], \"a\": 3},\n");
   text = replaced(text, "\"runs\": [", "\"later\": [[1, {\"b\": null}], \"x\"],\n\"runs\": [");
   text = replaced(text, "\n]\n}\n", "\n],\n\"trailer\": {\"results\": 5}\n}\n");
   text = replaced(text, "\"clocks_seen\": ", "\"future\": true, \"clocks_seen\": ");
   text = replaced(text, "\"command\": ", "\"host\": {\"name\": [\"n\"]}, \"command\": ");
-  text = replaced(text, "\"reason\": ", "\"note\": {\"deep\": [[[\"x\"]]]}, \"reason\": ");
+  text = replaced(text, "\"reason\": ",
+                  "\"note\": {\"deep\": [[[\"x\"]]], \"deep\": 1}, \"reason\": ");
   write_bytes(path("extra.json"), text);
   auto store = open_rw("dst.sqlite");
   MergeStats stats = store->import_json(path("extra.json"));
