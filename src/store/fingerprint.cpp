@@ -1,4 +1,6 @@
 // Fingerprint identity (ids and why two differ) and the names of dispositions.
+#include "store/store.h"
+
 #include <cstdio>
 #include <set>
 #include <utility>

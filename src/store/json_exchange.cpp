@@ -9,6 +9,8 @@
 // character, say) is exported with U+FFFD in place of each bad byte, so that one such row never
 // stops an export. backend_versions is part of the fingerprint id, so there a bad byte is an
 // error instead: replacing it would store a map that no longer hashes to its id.
+#include "store/store.h"
+
 #include <unistd.h>
 
 #include <climits>

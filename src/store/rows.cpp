@@ -1,8 +1,8 @@
 // Rows as stored: reading and inserting fingerprints, runs and results, a store as a row source,
 // and the Importer sink that merge and import share.
-#include <string>
-
 #include "store/store_internal.h"
+
+#include <string>
 
 namespace kernelgate::store::detail {
 namespace {

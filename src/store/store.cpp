@@ -5,6 +5,8 @@
 // and checked row by row (fingerprint ids recomputed from their fields, every reference resolved);
 // the first bad row rolls everything back, so a bad source adds nothing, and the natural key on
 // results makes a repeated source add nothing new.
+#include "store/store.h"
+
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>

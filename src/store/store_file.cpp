@@ -3,6 +3,8 @@
 // Note on open(): an existing file is classified before anything can write to it: first from the
 // main file alone (immutable, no locks, no side files), then through a read-only connection.
 // Only a file classified as ours (or empty) is reopened read-write.
+#include "store/store.h"
+
 #include <unistd.h>
 
 #include <cctype>
