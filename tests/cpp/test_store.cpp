@@ -7,12 +7,19 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <limits>
+#include <map>
 #include <random>
 #include <set>
 #include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "store/store.h"
 
@@ -712,6 +719,386 @@ TEST_F(StoreTest, ImportReadsHandWrittenJson) {
   ASSERT_EQ(rows.size(), 1u);
   EXPECT_EQ(rows[0].regime, "n\u00fc\U0001F600/");
   EXPECT_EQ(rows[0].max_rel_l2, -INFINITY);
+}
+
+// ---- JSON exchange: the document's edges ---------------------------------------------------
+
+class JsonExchangeTest : public StoreTest {
+ protected:
+  // The export of a store of one run of `count` results (passed, failed, passed, ...).
+  std::string exported(int count) {
+    make_store("src.sqlite", count, sample_fingerprint());
+    OpenResult src = Store::open(path("src.sqlite"), Mode::kReadOnly);
+    EXPECT_TRUE(src) << src.problem;
+    src.store->export_json(path("src.json"));
+    return read_bytes(path("src.json"));
+  }
+
+  // `text` with the last occurrence of `from` replaced: inside the last row that has it.
+  static std::string replaced(std::string text, const std::string& from, const std::string& to) {
+    size_t at = text.rfind(from);
+    EXPECT_NE(at, std::string::npos) << from;
+    return at == std::string::npos ? text : text.replace(at, from.size(), to);
+  }
+
+  // Importing `text` into a new store fails with a message naming the document and containing
+  // `reason_part`, and adds nothing (earlier rows of the document included).
+  void expect_import_refused(const std::string& text, const std::string& reason_part) {
+    SCOPED_TRACE(reason_part);
+    auto store = open_rw("dst-" + std::to_string(++imports_) + ".sqlite");
+    write_bytes(path("bad.json"), text);
+    try {
+      store->import_json(path("bad.json"));
+      ADD_FAILURE() << "imported: " << text.substr(0, 300);
+    } catch (const StoreError& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find(path("bad.json")), std::string::npos) << what;
+      EXPECT_NE(what.find(reason_part), std::string::npos) << what;
+      EXPECT_NE(what.find("nothing was imported"), std::string::npos) << what;
+    }
+    StaleReport report = store->stale(sample_fingerprint());
+    EXPECT_EQ(report.current_results, 0);
+    EXPECT_TRUE(report.stale.empty());
+    EXPECT_FALSE(store->fingerprint(sample_fingerprint().id()).has_value());
+  }
+
+  int imports_ = 0;
+};
+
+TEST_F(JsonExchangeTest, ExportWritesOneRowPerLine) {
+  const std::string text = exported(2);
+  std::vector<std::string> lines;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  ASSERT_EQ(lines.size(), 14u) << text;
+  EXPECT_EQ(text.back(), '\n');
+  EXPECT_EQ(lines[0], "{");
+  EXPECT_EQ(lines[1], "\"format\": \"kernelgate-evidence\",");
+  EXPECT_EQ(lines[2], "\"schema_version\": 1,");
+  EXPECT_EQ(lines[3], "\"fingerprints\": [");
+  EXPECT_EQ(lines[4],
+            "{\"id\": \"8698f1b65f22a235\", \"gpu_name\": \"NVIDIA H200\", "
+            "\"compute_capability\": \"9.0\", \"sm_count\": 132, \"memory_bytes\": 150754820096, "
+            "\"driver\": \"570.124.06\", \"cuda_runtime\": \"12.8\", "
+            "\"torch_version\": \"2.10.0\", "
+            "\"kernelgate_version\": \"0.1.0\", \"source_hash\": \"3f2a9c\", "
+            "\"backend_versions\": {\"liger_kernel\": \"0.5.10\", \"triton\": \"3.4.0\"}, "
+            "\"clocks_seen\": \"sm=1980MHz mem=3201MHz\"}");
+  EXPECT_EQ(lines[5], "],");
+  EXPECT_EQ(lines[6], "\"runs\": [");
+  EXPECT_EQ(lines[7].rfind("{\"uuid\": \"", 0), 0u) << lines[7];
+  EXPECT_NE(lines[7].find("\"command\": \"kernelgate bench run\", \"started_at\": "),
+            std::string::npos)
+      << lines[7];
+  EXPECT_EQ(lines[8], "],");
+  EXPECT_EQ(lines[9], "\"results\": [");
+  EXPECT_EQ(lines[10].rfind("{\"run_uuid\": \"", 0), 0u) << lines[10];
+  EXPECT_EQ(lines[10].back(), ',');
+  EXPECT_NE(lines[10].find("\"reason\": \"within tolerance \\\"quoted\\\"\\n\\ttab \\\\ back ü\""),
+            std::string::npos)
+      << lines[10];
+  // NaN is null, an infinity a string, a timing never taken null.
+  EXPECT_NE(lines[11].find("\"max_rel_l2\": \"inf\", \"max_max_over_rms\": null, "
+                           "\"device_median_us\": null, "),
+            std::string::npos)
+      << lines[11];
+  EXPECT_EQ(lines[11].back(), '}');
+  EXPECT_EQ(lines[12], "]");
+  EXPECT_EQ(lines[13], "}");
+}
+
+TEST_F(JsonExchangeTest, ExtremeAndNonFiniteNumbersRoundTripExactly) {
+  const double values[] = {INFINITY,
+                           -INFINITY,
+                           NAN,
+                           -0.0,
+                           std::numeric_limits<double>::denorm_min(),
+                           std::numeric_limits<double>::min(),
+                           std::numeric_limits<double>::max(),
+                           -std::numeric_limits<double>::max(),
+                           0.1 + 0.2,
+                           1e-300,
+                           123456789.125,
+                           1.0,
+                           1e22};
+  constexpr size_t n = std::size(values);
+  auto src = open_rw("src.sqlite");
+  const int64_t run = src->begin_run(sample_fingerprint(), "extremes");
+  auto measured = [](double v) { return std::isnan(v) ? std::nullopt : std::optional(v); };
+  std::vector<Result> rows;
+  for (size_t i = 0; i < n; ++i) {
+    Result r = sample_result(static_cast<int>(i));
+    r.max_rel_l2 = values[i];
+    r.max_max_over_rms = values[(i + 1) % n];
+    r.device_median_us = measured(values[(i + 2) % n]);
+    r.eager_spread_us = measured(values[(i + 3) % n]);
+    r.rel_noise = measured(values[(i + 4) % n]);
+    rows.push_back(r);
+  }
+  rows[0].seed = std::numeric_limits<int64_t>::min();
+  rows[1].seed = std::numeric_limits<int64_t>::max();
+  rows[2].arch = std::numeric_limits<int>::min();
+  rows[3].device_samples = std::numeric_limits<int>::max();
+  rows[4].created_at = std::numeric_limits<int64_t>::max();
+  for (const auto& r : rows) src->add_result(run, r);
+  src->export_json(path("numbers.json"));
+
+  auto dst = open_rw("dst.sqlite");
+  ASSERT_EQ(dst->import_json(path("numbers.json")).results_added, static_cast<int64_t>(n));
+  auto got = dst->results(sample_fingerprint().id());
+  ASSERT_EQ(got.size(), n);
+  for (size_t i = 0; i < n; ++i) {
+    SCOPED_TRACE(i);
+    expect_same(got[i], rows[i]);
+  }
+}
+
+TEST_F(JsonExchangeTest, EveryCharacterRoundTripsExactly) {
+  std::string every;  // each byte below 0x80 (NUL included), then UTF-8 of 2, 3 and 4 bytes
+  for (int c = 0; c < 0x80; ++c) every += static_cast<char>(c);
+  every += "\u00fc \u20ac \u2028 \U0001F600";
+  Fingerprint fp = sample_fingerprint();
+  fp.gpu_name = every;
+  fp.backend_versions[every] = every;
+  Result r = sample_result(0);
+  r.case_id = r.reason = every;
+  {
+    auto src = open_rw("src.sqlite");
+    src->add_result(src->begin_run(fp, every), r);
+    src->export_json(path("text.json"));
+  }
+  auto dst = open_rw("dst.sqlite");
+  ASSERT_EQ(dst->import_json(path("text.json")).results_added, 1);
+  EXPECT_EQ(dst->fingerprint(fp.id()), fp);  // and so its id still matches its fields
+  auto rows = dst->results(fp.id());
+  ASSERT_EQ(rows.size(), 1u);
+  expect_same(rows[0], r);
+  dst->export_json(path("again.json"));
+  EXPECT_EQ(read_bytes(path("again.json")), read_bytes(path("text.json")));
+}
+
+TEST_F(JsonExchangeTest, ExportReplacesBytesThatAreNotUtf8) {
+  // A worker's stderr cut mid character: JSON cannot carry the bytes, the row still travels.
+  Result r = sample_result(0);
+  r.reason = "stderr: cut \xe2\x82 here \xff";
+  {
+    auto src = open_rw("src.sqlite");
+    src->add_result(src->begin_run(sample_fingerprint(), "x"), r);
+    src->export_json(path("bytes.json"));
+  }
+  EXPECT_EQ(read_bytes(path("bytes.json")).find('\xff'), std::string::npos);
+  auto dst = open_rw("dst.sqlite");
+  ASSERT_EQ(dst->import_json(path("bytes.json")).results_added, 1);
+  const std::string reason = dst->results(sample_fingerprint().id()).at(0).reason;
+  EXPECT_EQ(reason.rfind("stderr: cut \xef\xbf\xbd", 0), 0u) << reason;  // U+FFFD
+  EXPECT_NE(reason.find(" here \xef\xbf\xbd"), std::string::npos) << reason;
+}
+
+TEST_F(JsonExchangeTest, ImportIgnoresUnknownMembersAtAnyDepth) {
+  std::string text = exported(2);
+  // Before the header (holding names of our own members, which mean nothing there, and a
+  // repeated name), between the sections, at the end, and inside rows.
+  text.replace(0, 2,
+               "{\n\"comment\": {\"format\": 2, \"fingerprints\": [{\"id\": 1}], "
+               "\"a\": [[], {}], \"a\": 3},\n");
+  text = replaced(text, "\"runs\": [", "\"later\": [[1, {\"b\": null}], \"x\"],\n\"runs\": [");
+  text = replaced(text, "\n]\n}\n", "\n],\n\"trailer\": {\"results\": 5}\n}\n");
+  text = replaced(text, "\"clocks_seen\": ", "\"future\": true, \"clocks_seen\": ");
+  text = replaced(text, "\"command\": ", "\"host\": {\"name\": [\"n\"]}, \"command\": ");
+  text = replaced(text, "\"reason\": ",
+                  "\"note\": {\"deep\": [[[\"x\"]]], \"deep\": 1}, \"reason\": ");
+  write_bytes(path("extra.json"), text);
+  auto store = open_rw("dst.sqlite");
+  MergeStats stats = store->import_json(path("extra.json"));
+  EXPECT_EQ(stats.fingerprints_added, 1);
+  EXPECT_EQ(stats.runs_added, 1);
+  EXPECT_EQ(stats.results_added, 2);
+}
+
+TEST_F(JsonExchangeTest, ImportRefusesAWrongOrLateHeader) {
+  const std::string good = exported(2);
+  const size_t body = good.find("\"fingerprints\"");
+  const std::string rows = good.substr(body);  // "fingerprints": [...], ..., "results": [...]}
+  const std::string format = "\"format\": \"kernelgate-evidence\"",
+                    version = "\"schema_version\": 1";
+  expect_import_refused("{" + version + ",\n" + rows.substr(0, rows.size() - 3) + ",\n" + format +
+                            "}\n",
+                        "\"format\" and \"schema_version\" must come first");
+  expect_import_refused("{" + format + ",\n" + rows, "must come first");
+  expect_import_refused("{" + rows, "must come first");
+  for (const char* wrong : {"\"kernelgate-evidence2\"", "1", "null", "[\"kernelgate-evidence\"]",
+                            "{\"format\": \"kernelgate-evidence\"}"}) {
+    expect_import_refused(replaced(good, "\"kernelgate-evidence\"", wrong),
+                          "\"format\" is not \"kernelgate-evidence\"");
+  }
+  for (const char* wrong : {"2", "0", "-1", "1.0", "\"1\"", "18446744073709551617", "[1]"}) {
+    expect_import_refused(replaced(good, version, std::string("\"schema_version\": ") + wrong),
+                          "is not 1, the only version this build reads");
+  }
+  expect_import_refused(replaced(good, format, format + ", " + format),
+                        "the document: repeated key format");
+  expect_import_refused("[" + good + "]", "not a JSON object");
+  expect_import_refused(good.substr(0, good.find(",\n\"results\"")) + "\n}\n",
+                        "\"fingerprints\", \"runs\" or \"results\" missing");
+}
+
+TEST_F(JsonExchangeTest, ImportRefusesAmbiguousOrMistypedRows) {
+  const std::string good = exported(2);
+  const std::string header = good.substr(0, good.find("\"fingerprints\""));
+  auto with_rows = [&](const std::string& fingerprints) {
+    return header + "\"fingerprints\": " + fingerprints + ",\n\"runs\": [],\n\"results\": []\n}\n";
+  };
+  expect_import_refused(with_rows("{}"), "\"fingerprints\" is not an array");
+  expect_import_refused(with_rows("3"), "\"fingerprints\" is not an array");
+  expect_import_refused(with_rows("[1]"), "fingerprints[0]: expected an object");
+  expect_import_refused(with_rows("[[]]"), "fingerprints[0]: expected an object");
+  // JSON leaves a repeated name's meaning open, so it is refused rather than read either way.
+  expect_import_refused(replaced(good, "\"reason\": ", "\"disposition\": \"passed\", \"reason\": "),
+                        "results[1]: repeated key disposition");
+  expect_import_refused(replaced(good, "\"triton\": \"3.4.0\"",
+                                 "\"triton\": \"3.4.0\", \"triton\": \"3.5.0\""),
+                        "fingerprints[0].backend_versions: repeated key triton");
+  const std::pair<std::string, std::string> mistyped[] = {
+      {"\"seed\": 9223372036854775808", "results[1].seed: expected an integer"},
+      {"\"seed\": -9223372036854775809", "results[1].seed: expected an integer"},
+      {"\"seed\": 1.0", "results[1].seed: expected an integer"},
+      {"\"arch\": 2147483648", "results[1].arch: expected a 32-bit integer"},
+      {"\"grad\": 1", "results[1].grad: expected true or false"},
+      {"\"max_rel_l2\": \"Infinity\"", "results[1].max_rel_l2: expected a number"},
+      {"\"dtype\": null", "results[1].dtype: expected a string"},
+      {"\"disposition\": \"passed \"", "results[1].disposition: expected a disposition"},
+      {"\"max_rel_l2\": 1e999", "malformed JSON"},
+      {"\"shape\": \"\xff\"", "malformed JSON"},
+  };
+  for (const auto& [member, reason] : mistyped) {
+    const std::string name = member.substr(0, member.find(':') + 1);
+    std::string text = good;
+    const size_t at = text.rfind(name), end = text.find(", ", at);
+    ASSERT_NE(at, std::string::npos) << name;
+    expect_import_refused(text.replace(at, end - at, member), reason);
+  }
+}
+
+TEST_F(JsonExchangeTest, TruncatedDocumentAddsNothing) {
+  const std::string good = exported(3);
+  auto store = open_rw("dst.sqlite");
+  int tried = 0, imported = 0, unexplained = 0;
+  // Prefixes but the whole document and the one lacking just its final newline: each one ending
+  // near a line break (between rows and sections), and a spread of others.
+  for (size_t cut = 0; cut + 1 < good.size(); ++cut) {
+    const size_t line_break = good.find('\n', cut > 2 ? cut - 2 : 0);
+    if (line_break > cut + 2 && cut % 17 != 0) continue;
+    write_bytes(path("cut.json"), good.substr(0, cut));
+    ++tried;
+    try {
+      store->import_json(path("cut.json"));
+      ++imported;
+    } catch (const StoreError& e) {
+      unexplained += std::string(e.what()).find("nothing was imported") == std::string::npos;
+    }
+  }
+  EXPECT_EQ(imported, 0);
+  EXPECT_EQ(unexplained, 0);
+  EXPECT_GT(tried, 200);
+  EXPECT_TRUE(store->stale(sample_fingerprint()).stale.empty());
+  EXPECT_EQ(store->stale(sample_fingerprint()).current_results, 0);
+  EXPECT_FALSE(store->fingerprint(sample_fingerprint().id()).has_value());
+}
+
+TEST_F(JsonExchangeTest, ImportsWhatThePreviousWriterWrote) {
+  // Written by the hand-made writer this one replaced: other escapes and number spellings.
+  const std::string text =
+    "{\n"
+    "\"format\": \"kernelgate-evidence\",\n"
+    "\"schema_version\": 1,\n"
+    "\"fingerprints\": [\n"
+    "{\"id\": \"8698f1b65f22a235\", \"gpu_name\": \"NVIDIA H200\", "
+    "\"compute_capability\": \"9.0\", \"sm_count\": 132, \"memory_bytes\": 150754820096, "
+    "\"driver\": \"570.124.06\", \"cuda_runtime\": \"12.8\", "
+    "\"torch_version\": \"2.10.0\", \"kernelgate_version\": \"0.1.0\", "
+    "\"source_hash\": \"3f2a9c\", \"backend_versions\": {\"liger_kernel\": \"0.5.10\", "
+    "\"triton\": \"3.4.0\"}, \"clocks_seen\": \"sm=1980MHz mem=3201MHz\"}\n"
+    "],\n"
+    "\"runs\": [\n"
+    "{\"uuid\": \"06366f1ef7903e161df5afcf13769cbc\", "
+    "\"fingerprint_id\": \"8698f1b65f22a235\", \"command\": \"old \\\"build\\\"\", "
+    "\"started_at\": 1796115045, \"kernelgate_version\": \"0.1.0\"}\n"
+    "],\n"
+    "\"results\": [\n"
+    "{\"run_uuid\": \"06366f1ef7903e161df5afcf13769cbc\", \"op\": \"rms_norm\", "
+    "\"backend\": \"kernelgate\", \"case_id\": \"case-0\", \"arch\": 90, "
+    "\"dtype\": \"bfloat16\", \"buckets\": \"14,12\", \"region\": \"r\", "
+    "\"align\": \"16\", \"grad\": true, \"shape\": \"s\", \"layout\": \"contiguous\", "
+    "\"regime\": \"normal\", \"seed\": 7, \"disposition\": \"incorrect\", "
+    "\"reason\": \"line\\u000anext\\u0009tab\", \"max_rel_l2\": \"inf\", "
+    "\"max_max_over_rms\": 0, \"device_median_us\": 100, \"device_spread_us\": null, "
+    "\"device_samples\": 3, \"eager_median_us\": null, \"eager_spread_us\": null, "
+    "\"eager_samples\": 0, \"rel_noise\": 0.25, \"throttled\": false, "
+    "\"clocks_before\": \"\", \"clocks_after\": \"\", \"created_at\": 1700000000}\n"
+    "]\n"
+    "}\n";
+  write_bytes(path("old.json"), text);
+  auto store = open_rw("dst.sqlite");
+  MergeStats stats = store->import_json(path("old.json"));
+  EXPECT_EQ(stats.fingerprints_added, 1);
+  EXPECT_EQ(stats.results_added, 1);
+  EXPECT_EQ(store->fingerprint(sample_fingerprint().id()), sample_fingerprint());
+  auto rows = store->results(sample_fingerprint().id());
+  ASSERT_EQ(rows.size(), 1u);
+  EXPECT_EQ(rows[0].reason, "line\nnext\ttab");
+  EXPECT_EQ(rows[0].max_rel_l2, INFINITY);
+  EXPECT_EQ(rows[0].max_max_over_rms, 0.0);
+  EXPECT_EQ(rows[0].device_median_us, 100.0);
+  EXPECT_FALSE(rows[0].device_spread_us.has_value());
+  EXPECT_EQ(rows[0].rel_noise, 0.25);
+  EXPECT_EQ(rows[0].seed, 7);
+}
+
+// ---- backend_versions as stored ------------------------------------------------------------
+
+TEST_F(StoreTest, BackendVersionsColumnKeepsItsText) {
+  const std::string file = make_store("b.sqlite", 1, sample_fingerprint());
+  EXPECT_EQ(raw_sql(file, "SELECT backend_versions FROM fingerprints"),
+            "{\"liger_kernel\": \"0.5.10\", \"triton\": \"3.4.0\"}\n");
+  const std::string id = sample_fingerprint().id();
+  // Any JSON object of strings reads, whatever its spacing and escapes.
+  raw_sql(file, "UPDATE fingerprints SET backend_versions = '{ \"a\\u0041\" :\"x\\n\" }'");
+  {
+    auto store = open_rw("b.sqlite");
+    auto fp = store->fingerprint(id);
+    ASSERT_TRUE(fp.has_value());
+    EXPECT_EQ(fp->backend_versions, (std::map<std::string, std::string>{{"aA", "x\n"}}));
+  }
+  for (const char* damaged :
+       {"not json", "[1]", "{\"a\": 1}", "{\"a\": \"1\", \"a\": \"2\"}", ""}) {
+    raw_sql(file, "UPDATE fingerprints SET backend_versions = '" + std::string(damaged) + "'");
+    auto store = open_rw("b.sqlite");
+    try {
+      store->fingerprint(id);
+      ADD_FAILURE() << damaged << ": read";
+    } catch (const StoreError& e) {
+      EXPECT_NE(std::string(e.what()).find("damaged fingerprint row: backend_versions"),
+                std::string::npos)
+          << e.what();
+      EXPECT_NE(std::string(e.what()).find(file), std::string::npos) << e.what();
+    }
+  }
+}
+
+TEST_F(StoreTest, BackendVersionsThatAreNotUtf8AreRefused) {
+  // Replacing the bytes would store a map that no longer hashes to the fingerprint's id.
+  Fingerprint fp = sample_fingerprint();
+  fp.backend_versions["triton"] = "3.4\xff";
+  auto store = open_rw("u.sqlite");
+  try {
+    store->begin_run(fp, "x");
+    FAIL() << "stored";
+  } catch (const StoreError& e) {
+    EXPECT_NE(std::string(e.what()).find(path("u.sqlite")), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("backend_versions"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(store->fingerprint(fp.id()).has_value());
+  EXPECT_EQ(raw_sql(path("u.sqlite"), "SELECT count(*) FROM runs"), "0\n");
 }
 
 TEST(DefaultPath, FollowsTheEnvironment) {
