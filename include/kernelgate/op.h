@@ -253,6 +253,10 @@ class OpDeclaration {
                   std::make_shared<op_detail::TypedBackend<F, B>>(fwd, bwd), ""};
     return backend_desc(std::move(d));
   }
+  // The reference backend made from the reference op itself: its forward runs the reference
+  // without autograd, its backward differentiates the reference again. For ops without extras
+  // that save every tensor argument (ops defined from Python).
+  OpDeclaration& reference_backend();
   // A backend this build or device cannot have: listed with its reason, never chosen.
   OpDeclaration& unavailable(std::string name, BackendKind kind, const char* reason);
   OpDeclaration& backend_desc(BackendDesc desc);

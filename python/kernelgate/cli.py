@@ -13,7 +13,7 @@ from typing import Dict, List, Optional
 import torch
 
 import kernelgate as kg
-from kernelgate import _C
+from kernelgate import _C, plugins
 from kernelgate.testing import check_against_oracle
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -128,6 +128,18 @@ def _progress(enabled: bool):
     return report
 
 
+def _load_plugins(items: List[str]) -> None:
+    """Loads what --load names (libraries, Python modules or files) into this process, so that
+    the ops and backends they register are known here too."""
+    for item in items:
+        try:
+            plugins.load(item)
+        except (RuntimeError, ImportError, OSError, SyntaxError) as exc:
+            raise SystemExit(f"kernelgate: cannot load {item}: {exc}")
+    if items:
+        kg.evidence.install()
+
+
 def _ops_for(name: str) -> List[str]:
     names = [o["name"] for o in kg.ops()]
     if name == "all":
@@ -144,14 +156,15 @@ def _run_sweep(args, time: bool) -> int:
         i, n = (int(p) for p in shard.split("/"))
     except ValueError:
         raise SystemExit(f"--shard must be i/N, e.g. 0/4, got '{shard}'")
-    worker = kg.evidence.worker_argv(args.load)
-    for plugin in args.load:
-        try:
-            _C.load_plugin(os.path.abspath(plugin))
-        except RuntimeError as exc:
-            raise SystemExit(f"kernelgate: {exc}")
+    _load_plugins(args.load)
+    infos = {o["name"]: o for o in kg.ops()}
     reports = {}
     for op in _ops_for(args.op):
+        # Python backends and ops run in the Python worker; the others in kernelgate-worker.
+        chosen = [b for b in infos[op]["backends"] if not args.backend or b["name"] in args.backend]
+        python = (infos[op]["defined_in_python"] or any(b["kind"] == "python" for b in chosen)
+                  or any(plugins.needs_python_worker(p) for p in args.load))
+        worker = kg.evidence.worker_argv(args.load, python)
         try:
             reports[op] = _C.sweep(op, args.backend, args.dtype, grid, args.seeds, i, n, _db(args), time,
                                    args.case_timeout, args.time_cap, worker,
@@ -310,6 +323,12 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def _add_load_arg(p) -> None:
+    p.add_argument("--load", action="append", default=[],
+                   help="what registers extra backends or ops: a plugin library (.so), a Python "
+                        "module or a .py file (repeat for several)")
+
+
 def _add_sweep_args(p, timing: bool) -> None:
     p.add_argument("op", help="an op name, or 'all'")
     p.add_argument("--backend", action="append", default=[], help="repeat for several; default all")
@@ -317,7 +336,7 @@ def _add_sweep_args(p, timing: bool) -> None:
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--case-timeout", type=float, default=120.0, help="seconds before a case counts as hung")
     p.add_argument("--time-cap", type=float, default=1.0 if timing else 0.0, help="seconds of timing per run")
-    p.add_argument("--load", action="append", default=[], help="a plugin library registering extra backends")
+    _add_load_arg(p)
     p.add_argument("--db", default=None, help="store file (default: KERNELGATE_DB or the cache directory)")
     p.add_argument("--shard", default="0/1", help="i/N: run every N-th case starting at i")
     p.add_argument("--json", action="store_true")
@@ -328,6 +347,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("ops", help="ops, backends and their availability")
+    _add_load_arg(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_ops)
 
@@ -348,6 +368,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p = pol.add_parser("show", help="per region: winner, runner-up, margin, failures")
     p.add_argument("op", help="an op name, or 'all'")
     p.add_argument("--db", default=None)
+    _add_load_arg(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_policy_show)
 
@@ -357,6 +378,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--grad", action="store_true", help="the call is part of a training step")
+    _add_load_arg(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_explain)
 
@@ -369,6 +391,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     p = sub.add_parser("doctor", help="GPU, fingerprint, evidence status, why rows are stale")
     p.add_argument("--db", default=None)
+    _add_load_arg(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_doctor)
 
@@ -379,6 +402,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "db" and args.action != "path" and not args.file:
         parser.error(f"db {args.action} needs a FILE")
+    _load_plugins(getattr(args, "load", []))
     return args.fn(args)
 
 

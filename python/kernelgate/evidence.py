@@ -6,6 +6,7 @@ says where they are.
 
 import glob
 import os
+import sys
 from typing import List
 
 from . import _C
@@ -23,10 +24,12 @@ def shipped_paths() -> List[str]:
     return sorted(glob.glob(os.path.join(_HERE, "evidence", "*.sqlite")))
 
 
-def worker_argv(plugins: List[str]) -> List[str]:
-    argv = [os.path.join(_HERE, "kernelgate-worker")]
+def worker_argv(plugins: List[str], python: bool = False) -> List[str]:
+    """The worker program of a sweep: kernelgate-worker, or the Python worker where Python
+    backends or ops must be hosted (it starts slower: it imports torch)."""
+    argv = [sys.executable, "-m", "kernelgate.worker"] if python else [os.path.join(_HERE, "kernelgate-worker")]
     for p in plugins:
-        argv += ["--load", os.path.abspath(p)]
+        argv += ["--load", os.path.abspath(p) if os.path.exists(p) else p]
     return argv
 
 

@@ -21,6 +21,8 @@
 #include <torch/csrc/jit/frontend/function_schema_parser.h>
 #include <torch/library.h>
 
+#include <c10/core/impl/LocalDispatchKeySet.h>
+
 #include <algorithm>
 #include <mutex>
 
@@ -30,6 +32,7 @@ namespace kernelgate {
 
 struct OpDeclaration::State {
   OpContract contract;
+  bool reference_backend = false;
   std::function<void(torch::jit::Stack&)> reference;
   BoxedArgsFn meta, check;
   std::vector<BackendDesc> backends;
@@ -423,6 +426,75 @@ void autograd_forward(const RoutedOp& op, const c10::OperatorHandle& handle, c10
   s.resize(s.size() - op.n_extra);
 }
 
+// ---- the reference as a backend (reference_backend()) --------------------------------------------
+
+class ReferenceAutograd final : public BackendImpl {
+ public:
+  explicit ReferenceAutograd(const RoutedOp* op) : op_(op) {}
+
+  void forward(Stack& s, GradRequest) const override {
+    {
+      at::AutoGradMode no_grad(false);
+      op_->ref->callBoxed(s);
+    }
+    // Dense outputs, as the Meta impls promise.
+    for (size_t i = s.size() - op_->n_out; i < s.size(); ++i) s[i] = s[i].toTensor().contiguous();
+  }
+
+  // _<op>_bwd's arguments: the output gradients, every tensor argument, the other arguments.
+  void backward(Stack& s, GradRequest need) const override {
+    const size_t base = s.size() - op_->n_bwd_args;
+    const int n_out = op_->n_out;
+    std::vector<Tensor> grads, inputs;
+    for (int j = 0; j < n_out; ++j) grads.push_back(s[base + j].isTensor() ? s[base + j].toTensor() : Tensor());
+    // The router runs below autograd; the recomputation needs it back.
+    auto keys = c10::impl::tls_local_dispatch_key_set();
+    keys.excluded_ = keys.excluded_ - c10::autograd_dispatch_keyset_with_ADInplaceOrView;
+    c10::impl::ForceDispatchKeyGuard with_autograd(keys);
+    at::AutoGradMode grad_mode(true);
+    Stack ref(op_->nargs);
+    for (size_t i = 0; i < op_->tensor_pos.size(); ++i) {
+      const IValue& v = s[base + n_out + i];
+      Tensor t = v.isTensor() ? v.toTensor().detach() : Tensor();
+      if (t.defined() && need(static_cast<int>(i))) t.requires_grad_(true);
+      inputs.push_back(t);
+      ref[op_->tensor_pos[i]] = t.defined() ? IValue(t) : IValue();
+    }
+    const size_t nontensor_base = base + n_out + op_->tensor_pos.size();
+    for (size_t j = 0; j < op_->nontensor_pos.size(); ++j) ref[op_->nontensor_pos[j]] = s[nontensor_base + j];
+    op_->ref->callBoxed(ref);
+    std::vector<Tensor> outs, cots, wrt;
+    for (int j = 0; j < n_out; ++j) {
+      const Tensor& o = ref[j].toTensor();
+      if (o.requires_grad() && grads[j].defined()) {
+        outs.push_back(o);
+        cots.push_back(grads[j]);
+      }
+    }
+    for (int d : op_->diff) {
+      if (need(d)) wrt.push_back(inputs[d]);
+    }
+    std::vector<Tensor> got;
+    if (!outs.empty() && !wrt.empty()) got = torch::autograd::grad(outs, wrt, cots, false, false, true);
+    torch::jit::drop(s, op_->n_bwd_args);
+    size_t next = 0;
+    for (int d : op_->diff) {
+      if (!need(d)) {
+        s.emplace_back(Tensor());
+        continue;
+      }
+      Tensor g = next < got.size() ? got[next] : Tensor();
+      ++next;
+      s.emplace_back(g.defined() ? g.contiguous() : at::zeros_like(inputs[d], at::MemoryFormat::Contiguous));
+    }
+  }
+
+  bool has_backward() const override { return true; }
+
+ private:
+  const RoutedOp* op_;
+};
+
 // ---- kernels registered with PyTorch -----------------------------------------------------------
 
 enum class Which { kOp, kFwd, kBwd };
@@ -540,6 +612,11 @@ OpDeclaration::OpDeclaration(OpContract contract) : state_(std::make_unique<Stat
 }
 OpDeclaration::OpDeclaration(OpDeclaration&&) noexcept = default;
 OpDeclaration::~OpDeclaration() = default;
+
+OpDeclaration& OpDeclaration::reference_backend() {
+  state_->reference_backend = true;
+  return *this;
+}
 
 OpDeclaration& OpDeclaration::unavailable(std::string name, BackendKind kind, const char* reason) {
   BackendDesc d;
@@ -743,6 +820,14 @@ OpId OpDeclaration::install() {
   c.backward_schema = schema_text(bwd_schema);
 
   check_shapes(c, shapes_);
+  if (st.reference_backend) {
+    std::vector<std::string> args_in_order;
+    for (const auto& a : c.tensor_args) args_in_order.push_back(a.name);
+    TORCH_CHECK(c.extras.empty() && c.saved == args_in_order && c.shared_grads.empty(),
+                "op ", c.name, ": reference_backend() needs no extras and every tensor argument saved");
+    BackendDesc ref{"reference", BackendKind::kReference, {}, {}, std::make_shared<ReferenceAutograd>(op), ""};
+    st.backends.insert(st.backends.begin(), std::move(ref));
+  }
   TORCH_CHECK(!st.backends.empty() && st.backends[0].kind == BackendKind::kReference, "op ", c.name,
               ": its first backend must be the reference");
 

@@ -78,6 +78,10 @@ std::string case_region(const Case& c, int arch);
 // first) and, if it passed and options.time, times it. Never throws: failures are dispositions.
 Measured run_case(const Case& c, const std::string& backend, const RunOptions& options);
 
+// The worker loop (worker.cpp): poisons new CPU allocations, answers requests from stdin on
+// stdout until stdin closes; returns the process's exit code.
+int serve_worker();
+
 // Worker set-up: a stream of the worker's own becomes current on the GPU.
 void prepare_worker_device();
 // True once a run may have left the device in a state later runs should not inherit (an

@@ -5,8 +5,10 @@
 #include <set>
 #include <torch/csrc/utils/pybind.h>
 
+#include "harness/harness.h"
 #include "harness/sweep.h"
 #include "kernelgate/kernelgate.h"
+#include "python/python_ops.h"
 #include "store/store.h"
 
 namespace py = pybind11;
@@ -83,6 +85,8 @@ py::list ops() {
       b["kind"] = backend_kind_name(e.backends[i].kind);
       b["available"] = e.availability[i].ok;
       b["reason"] = std::string(e.availability[i].reason);
+      b["version"] = e.backends[i].version;
+      b["has_backward"] = e.backends[i].impl ? e.backends[i].impl->has_backward() : false;
       backends.append(b);
     }
     py::list dtypes;
@@ -100,6 +104,19 @@ py::list ops() {
     o["dtypes"] = dtypes;
     o["scalar_test_values"] = scalars;
     o["backends"] = backends;
+    // The protocol a backend implements (docs/adding_an_op.md).
+    o["forward_schema"] = e.contract.forward_schema;
+    o["backward_schema"] = e.contract.backward_schema;
+    o["outputs"] = e.contract.outputs;
+    o["extras"] = e.contract.extras;
+    o["saved"] = e.contract.saved;
+    py::list diff;
+    for (const auto& a : e.contract.tensor_args) {
+      if (a.differentiable && !e.contract.shared_grads.count(a.name)) diff.append(a.name);
+    }
+    o["gradients"] = diff;
+    o["variant_args"] = e.contract.variant_args;
+    o["defined_in_python"] = !e.contract.source_hash.empty();
     out.append(o);
   }
   return out;
@@ -373,6 +390,14 @@ PYBIND11_MODULE(_C, m) {
   });
   m.def("use_evidence", [](const std::string& db, const std::vector<std::string>& shipped) {
     Dispatcher::get().set_policy(std::make_shared<harness::LazyEvidencePolicy>(db, shipped));
+  });
+  m.def("register_backend", &register_python_backend, py::arg("op"), py::arg("name"),
+        py::arg("forward"), py::arg("backward"), py::arg("can_implement"), py::arg("available"),
+        py::arg("reason"), py::arg("version"));
+  m.def("define_op", [](const py::dict& spec) { return static_cast<int>(define_python_op(spec)); });
+  m.def("serve_worker", [] {
+    py::gil_scoped_release release;  // Python backends take it when they run
+    return harness::serve_worker();
   });
   py::register_exception<store::StoreError>(m, "StoreError", PyExc_RuntimeError);
 }
