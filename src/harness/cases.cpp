@@ -291,8 +291,18 @@ std::vector<Case> make_cases(const std::string& op, Grid grid,
   for (const auto& name : c.named_dims) {
     if (!base.count(name)) base[name] = 64;
   }
+  // The mid-size shape the layouts, value regimes and scalar values are tried on: each dim at
+  // most 256, and the largest halved until the whole fits max_elements.
   std::map<std::string, int64_t> small_base = base;
   for (auto& [k, v] : small_base) v = std::min<int64_t>(v, 256);
+  for (;;) {
+    int64_t elems = 1;
+    for (const auto& [k, v] : small_base) elems *= std::max<int64_t>(v, 1);
+    auto largest = std::max_element(small_base.begin(), small_base.end(),
+                                    [](const auto& a, const auto& b) { return a.second < b.second; });
+    if (elems <= max_elements || largest == small_base.end() || largest->second <= 1) break;
+    largest->second = (largest->second + 1) / 2;
+  }
   for (const auto& name : c.named_dims) {
     auto range = c.dim_ranges.count(name) ? c.dim_ranges.at(name) : std::make_pair<int64_t, int64_t>(1, 65536);
     for (int64_t v : edge_sizes(range.first, range.second, full)) {

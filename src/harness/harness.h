@@ -2,6 +2,9 @@
 // dispositions, and timing of passing runs. Runs inside a worker process (src/harness/worker_main.cpp);
 // the sweep (sweep.h) drives workers and writes the store.
 #pragma once
+#include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>
+
 #include <cstdint>
 #include <map>
 #include <optional>
@@ -69,6 +72,26 @@ struct RunOptions {
   double time_cap_s = 1.0;
   double target_rel_noise = 0.02;
 };
+
+// The tolerance rule, the one place it is stated (docs/evidence.md, kernelgate.testing): `got`
+// passes when its NaN and Inf pattern is the oracle's and, on the finite elements, its relative L2
+// error and its max error over the oracle's rms are each within kFactor (2) x the reference's at
+// the same dtype plus a floor per dtype (two unit roundoffs for 16-bit types, 1e-5 for float32).
+struct OracleCheck {
+  std::string failure;  // empty: passed
+  double rel_l2 = 0, max_over_rms = 0, ref_rel_l2 = 0, ref_max_over_rms = 0;
+};
+OracleCheck check_against_oracle(const std::string& name, const at::Tensor& got, const at::Tensor& ref,
+                                 const at::Tensor& oracle, c10::ScalarType dtype);
+
+// A case's call: the op's arguments in schema order and the leaves gradients are taken against
+// (undefined for absent and index tensors), on the CPU or CUDA device 0, at the case's dtype or
+// in float64 (the oracle's: the same rounded values, upcast).
+struct CaseArguments {
+  std::vector<c10::IValue> args;
+  std::vector<at::Tensor> leaves;
+};
+CaseArguments case_arguments(const Case& c, bool on_gpu, bool float64);
 
 // The region (describe_key of the dispatch key) a case's call falls in on a device of `arch`
 // (-1: CPU), computed without running anything: for results whose worker never answered.

@@ -76,49 +76,59 @@ Metrics metrics(const Tensor& got, const Tensor& oracle, const Tensor& finite) {
   return {d[2] / (norm > 0 ? norm : 1.0), d[3] / (rms > 0 ? rms : 1.0)};
 }
 
-// Empty string when `got` passes; otherwise why not.
-std::string check(const std::string& name, const Tensor& got_in, const Tensor& ref_in,
-                  const Tensor& oracle_in, at::ScalarType dtype, Measured* m) {
+}  // namespace
+
+OracleCheck check_against_oracle(const std::string& name, const Tensor& got_in, const Tensor& ref_in,
+                                 const Tensor& oracle_in, at::ScalarType dtype) {
+  OracleCheck out;
+  auto fail = [&](std::string why) {
+    out.failure = std::move(why);
+    return out;
+  };
   Tensor got = got_in.detach();
   Tensor ref = ref_in.detach().to(got.device());
   Tensor oracle = oracle_in.detach().to(got.device(), at::kDouble);
   if (got.sizes() != oracle.sizes()) {
-    return name + ": shape " + c10::str(got.sizes()) + " differs from the oracle's " +
-           c10::str(oracle.sizes());
+    return fail(name + ": shape " + c10::str(got.sizes()) + " differs from the oracle's " +
+                c10::str(oracle.sizes()));
   }
   if (got.scalar_type() != ref.scalar_type()) {
-    return name + ": dtype " + dtype_name(got.scalar_type()) + " differs from the reference's " +
-           dtype_name(ref.scalar_type());
+    return fail(name + ": dtype " + dtype_name(got.scalar_type()) + " differs from the reference's " +
+                dtype_name(ref.scalar_type()));
   }
   Tensor gd = got.to(at::kDouble);
   if (!at::equal(gd.isnan(), oracle.isnan())) {
-    return name + ": NaN pattern differs from the oracle (" +
-           std::to_string(gd.isnan().sum().item<int64_t>()) + " NaN in result, " +
-           std::to_string(oracle.isnan().sum().item<int64_t>()) + " in oracle)";
+    return fail(name + ": NaN pattern differs from the oracle (" +
+                std::to_string(gd.isnan().sum().item<int64_t>()) + " NaN in result, " +
+                std::to_string(oracle.isnan().sum().item<int64_t>()) + " in oracle)");
   }
   Tensor oi = oracle.isinf(), gi = gd.isinf();
   if (!at::equal(oi, gi) || !at::equal(oracle.masked_select(oi).sign(), gd.masked_select(gi).sign())) {
-    return name + ": Inf pattern differs from the oracle";
+    return fail(name + ": Inf pattern differs from the oracle");
   }
   Tensor finite = oracle.isfinite();
   Metrics r = metrics(ref, oracle, finite & ref.to(at::kDouble).isfinite());
   Metrics g = metrics(got, oracle, finite);
-  m->max_rel_l2 = std::max(m->max_rel_l2, g.l2);
-  m->max_max_over_rms = std::max(m->max_max_over_rms, g.mx);
+  out.rel_l2 = g.l2;
+  out.max_over_rms = g.mx;
+  out.ref_rel_l2 = r.l2;
+  out.ref_max_over_rms = r.mx;
   const double fl = floor_for(dtype);
   char buf[256];
   if (g.l2 > kFactor * r.l2 + fl) {
     std::snprintf(buf, sizeof(buf), "%s: relative L2 error %.3e > %.1f x reference %.3e + floor %.1e",
                   name.c_str(), g.l2, kFactor, r.l2, fl);
-    return buf;
+    return fail(buf);
   }
   if (g.mx > kFactor * r.mx + fl) {
     std::snprintf(buf, sizeof(buf), "%s: max error / rms %.3e > %.1f x reference %.3e + floor %.1e",
                   name.c_str(), g.mx, kFactor, r.mx, fl);
-    return buf;
+    return fail(buf);
   }
-  return "";
+  return out;
 }
+
+namespace {
 
 // ---- inputs ----------------------------------------------------------------------------------
 
@@ -261,9 +271,10 @@ CallView call_view(const OpContract& c, const Case& k, const Inputs& in) {
 
 // ---- running the op --------------------------------------------------------------------------
 
-std::vector<Tensor> call_op(const std::string& qualified, const OpContract& c, const Case& k,
-                            const std::vector<Tensor>& args) {
-  auto op = c10::Dispatcher::singleton().findSchemaOrThrow(qualified.c_str(), "");
+// The op's arguments for a case, in schema order: the tensors, the case's scalars and strings,
+// the schema's defaults for the rest.
+std::vector<c10::IValue> op_arguments(const c10::OperatorHandle& op, const OpContract& c, const Case& k,
+                                      const std::vector<Tensor>& args) {
   std::vector<c10::IValue> stack;
   for (const auto& arg : op.schema().arguments()) {
     auto it = std::find_if(c.tensor_args.begin(), c.tensor_args.end(),
@@ -285,6 +296,13 @@ std::vector<Tensor> call_op(const std::string& qualified, const OpContract& c, c
       stack.push_back(*arg.default_value());
     }
   }
+  return stack;
+}
+
+std::vector<Tensor> call_op(const std::string& qualified, const OpContract& c, const Case& k,
+                            const std::vector<Tensor>& args) {
+  auto op = c10::Dispatcher::singleton().findSchemaOrThrow(qualified.c_str(), "");
+  std::vector<c10::IValue> stack = op_arguments(op, c, k, args);
   op.callBoxed(stack);
   std::vector<Tensor> out;
   for (const auto& v : stack) {
@@ -460,6 +478,16 @@ std::string case_region(const Case& k, int arch) {
   return describe_key(key);
 }
 
+CaseArguments case_arguments(const Case& k, bool on_gpu, bool float64) {
+  const OpEntry* e = Dispatcher::get().find_op(k.op);
+  TORCH_CHECK(e != nullptr, "unknown op '", k.op, "'");
+  at::Device device = on_gpu ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU);
+  auto [in, oracle] = make_inputs(e->contract, k, device, parse_dtype(k.dtype));
+  const Inputs& chosen = float64 ? oracle : in;
+  auto op = c10::Dispatcher::singleton().findSchemaOrThrow(("kernelgate::" + k.op).c_str(), "");
+  return {op_arguments(op, e->contract, k, chosen.args), chosen.leaves};
+}
+
 Measured run_case(const Case& k, const std::string& backend, const RunOptions& options) {
   Measured m;
   try {
@@ -538,10 +566,12 @@ Measured run_case(const Case& k, const std::string& backend, const RunOptions& o
     }
     for (size_t i = 0; i < got.size(); ++i) {
       const std::string& name = names[i];
-      std::string why = check(name, got[i], ref[i], ora[i], dtype, &m);
-      if (!why.empty()) {
+      const OracleCheck ok = check_against_oracle(name, got[i], ref[i], ora[i], dtype);
+      m.max_rel_l2 = std::max(m.max_rel_l2, ok.rel_l2);
+      m.max_max_over_rms = std::max(m.max_max_over_rms, ok.max_over_rms);
+      if (!ok.failure.empty()) {
         m.disposition = "incorrect";
-        m.reason = why;
+        m.reason = ok.failure;
         return m;
       }
     }

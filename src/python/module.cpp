@@ -2,6 +2,7 @@
 // (libkernelgate is linked in). Everything here is off the hot path: ops are called through
 // torch.ops.kernelgate.
 #include <torch/csrc/Dtype.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
 #include <set>
 #include <torch/csrc/utils/pybind.h>
 
@@ -391,6 +392,76 @@ PYBIND11_MODULE(_C, m) {
   m.def("use_evidence", [](const std::string& db, const std::vector<std::string>& shipped) {
     Dispatcher::get().set_policy(std::make_shared<harness::LazyEvidencePolicy>(db, shipped));
   });
+  // The harness in this process (tests; the contract suite): cases, one run, a case's call, and
+  // the tolerance rule.
+  m.def(
+      "make_cases",
+      [](const std::string& op, const std::string& grid, const std::vector<std::string>& dtypes,
+         int seeds, int64_t max_elements) {
+        if (grid != "smoke" && grid != "quick" && grid != "full") {
+          throw py::value_error("grid must be 'smoke', 'quick' or 'full', got '" + grid + "'");
+        }
+        const auto g = grid == "full" ? harness::Grid::kFull
+                       : grid == "smoke" ? harness::Grid::kSmoke : harness::Grid::kQuick;
+        std::vector<std::pair<std::string, std::string>> out;
+        for (const auto& c : harness::make_cases(op, g, dtypes, seeds, max_elements)) {
+          out.emplace_back(c.id() + "/seed=" + std::to_string(c.seed), c.encode());
+        }
+        return out;
+      },
+      py::arg("op"), py::arg("grid") = "smoke", py::arg("dtypes") = std::vector<std::string>{},
+      py::arg("seeds") = 1, py::arg("max_elements") = int64_t{1} << 20);
+  m.def(
+      "run_case",
+      [](const std::string& encoded, const std::string& backend, bool time) {
+        std::string problem;
+        auto c = harness::Case::decode(encoded, &problem);
+        if (!c) throw py::value_error("bad case: " + problem);
+        harness::RunOptions o;
+        o.time = time;
+        harness::Measured m;
+        {
+          py::gil_scoped_release release;
+          m = harness::run_case(*c, backend, o);
+        }
+        py::dict d;
+        d["disposition"] = m.disposition;
+        d["reason"] = m.reason;
+        d["region"] = m.region;
+        d["max_rel_l2"] = m.max_rel_l2;
+        d["max_max_over_rms"] = m.max_max_over_rms;
+        return d;
+      },
+      py::arg("case"), py::arg("backend"), py::arg("time") = false);
+  m.def(
+      "case_arguments",
+      [](const std::string& encoded, bool on_gpu, bool float64) {
+        std::string problem;
+        auto c = harness::Case::decode(encoded, &problem);
+        if (!c) throw py::value_error("bad case: " + problem);
+        auto a = harness::case_arguments(*c, on_gpu, float64);
+        py::list args;
+        for (const auto& v : a.args) args.append(torch::jit::toPyObject(v));
+        py::list leaves;
+        for (const auto& t : a.leaves) leaves.append(t.defined() ? py::cast(t) : py::none());
+        return py::make_tuple(args, leaves);
+      },
+      py::arg("case"), py::arg("on_gpu") = false, py::arg("float64") = false);
+  m.def(
+      "check_against_oracle",
+      [](const std::string& name, const at::Tensor& got, const at::Tensor& ref, const at::Tensor& oracle,
+         py::object dtype) {
+        if (!THPDtype_Check(dtype.ptr())) throw py::type_error("dtype must be a torch.dtype");
+        auto r = harness::check_against_oracle(name, got, ref, oracle,
+                                               reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type);
+        py::dict d;
+        d["failure"] = r.failure;
+        d["rel_l2"] = r.rel_l2;
+        d["max_over_rms"] = r.max_over_rms;
+        d["ref_rel_l2"] = r.ref_rel_l2;
+        d["ref_max_over_rms"] = r.ref_max_over_rms;
+        return d;
+      });
   m.def("register_backend", &register_python_backend, py::arg("op"), py::arg("name"),
         py::arg("forward"), py::arg("backward"), py::arg("can_implement"), py::arg("available"),
         py::arg("reason"), py::arg("version"));
