@@ -77,19 +77,29 @@ bool of_stem(const std::string& path, const std::string& stem) {
 
 }  // namespace
 
-std::string op_source_hash(const std::string& op) {
-  const OpEntry* e = op.empty() ? nullptr : Dispatcher::get().find_op(op);
-  if (e == nullptr) return KERNELGATE_SOURCE_HASH;
-  if (!e->contract.source_hash.empty()) return e->contract.source_hash;  // defined from Python
+std::vector<std::string> op_source_files(const std::string& op) {
+  const OpEntry* e = Dispatcher::get().find_op(op);
+  if (e == nullptr || !e->contract.source_hash.empty()) return {};
   const auto stems = split_commas(e->contract.source_stem.empty() ? op : e->contract.source_stem);
-  std::string combined;
+  std::vector<std::string> files;
   for (const auto& entry : kernelgate_file_hashes) {
     const std::string path = entry[0];
     bool used = std::any_of(std::begin(kernelgate_shared_sources), std::end(kernelgate_shared_sources),
                             [&](const char* shared) { return path == shared; });
     for (const auto& stem : stems) used = used || of_stem(path, stem);
-    if (used) combined += path + "=" + entry[1] + ";";
+    if (used) files.push_back(path);
   }
+  return files;
+}
+
+std::string op_source_hash(const std::string& op) {
+  const OpEntry* e = op.empty() ? nullptr : Dispatcher::get().find_op(op);
+  if (e == nullptr) return KERNELGATE_SOURCE_HASH;
+  if (!e->contract.source_hash.empty()) return e->contract.source_hash;  // defined from Python
+  std::map<std::string, std::string> hash_of;
+  for (const auto& entry : kernelgate_file_hashes) hash_of[entry[0]] = entry[1];
+  std::string combined;
+  for (const auto& path : op_source_files(op)) combined += path + "=" + hash_of[path] + ";";
   return store::fnv1a64_hex(combined);
 }
 

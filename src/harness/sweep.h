@@ -17,9 +17,11 @@ namespace kernelgate::harness {
 // Loading the same path twice registers once. Throws std::runtime_error naming the problem.
 void load_backend_plugin(const std::string& path);
 
-// The source hash of `op`'s evidence: its own files and the shared ones (CMakeLists.txt says
-// which); the whole build's hash for "" or an op outside that table.
+// The source hash of `op`'s evidence (docs/evidence.md, "When evidence goes stale"): over the
+// tokens of its stems' files and the shared computing files; the whole build's hash for "".
 std::string op_source_hash(const std::string& op);
+// The files that hash covers (empty for an op defined from Python: its hash is its own).
+std::vector<std::string> op_source_files(const std::string& op);
 
 // The fingerprint of this process's device and software (CUDA device 0 when present, else CPU)
 // for evidence of `op` (source hash: op_source_hash(op)).

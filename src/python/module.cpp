@@ -373,6 +373,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("fingerprint", [](const std::string& op) { return fingerprint_dict(harness::current_fingerprint(op)); },
         py::arg("op") = "");
   m.def("default_db_path", &store::Store::default_path);
+  m.def("op_source_files", &harness::op_source_files);
   m.def("sweep", &run_sweep);
   m.def("load_plugin", [](const std::string& path) { harness::load_backend_plugin(path); });
   m.def("policy_regions", &policy_regions);

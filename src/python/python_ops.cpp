@@ -36,7 +36,7 @@ py::object to_py(const c10::IValue& v) {
 py::tuple pop_args(torch::jit::Stack& s, size_t n) {
   py::tuple args(n);
   const size_t base = s.size() - n;
-  for (size_t i = 0; i < n; ++i) args[i] = to_py(s[base + i]);
+  for (size_t i = 0; i < n; ++i) PyTuple_SET_ITEM(args.ptr(), i, to_py(s[base + i]).release().ptr());
   torch::jit::drop(s, n);
   return args;
 }
@@ -64,11 +64,12 @@ std::vector<at::Tensor> tensors_of(const py::handle& r, const std::string& what)
 
 // Calls `fn`; a Python exception becomes a c10::Error naming `what`.
 py::object call(const py::object& fn, const py::tuple& args, const std::string& what) {
-  try {
-    return fn(*args);
-  } catch (py::error_already_set& e) {
+  PyObject* r = PyObject_Call(fn.ptr(), args.ptr(), nullptr);
+  if (r == nullptr) {
+    py::error_already_set e;
     TORCH_CHECK(false, what, " raised: ", e.what());
   }
+  return py::reinterpret_steal<py::object>(r);
 }
 
 struct Protocol {
@@ -99,14 +100,15 @@ std::string names(const std::vector<std::string>& v) {
 class PythonBackend final : public BackendImpl {
  public:
   PythonBackend(std::string what, Protocol p, py::object fwd, py::object bwd)
-      : what_(std::move(what)), p_(std::move(p)), fwd_(new py::object(std::move(fwd))),
+      : what_(std::move(what)), fwd_what_(what_ + " forward"), bwd_what_(what_ + " backward"),
+        p_(std::move(p)), fwd_(new py::object(std::move(fwd))),
         bwd_(bwd.is_none() ? nullptr : new py::object(std::move(bwd))) {}
 
   // Returns the outputs, or the outputs and the extras (required when gradients are needed).
   void forward(torch::jit::Stack& s, GradRequest need) const override {
     py::gil_scoped_acquire gil;
     py::tuple args = pop_args(s, p_.nargs);
-    auto got = tensors_of(call(*fwd_, args, what_ + " forward"), what_ + " forward");
+    auto got = tensors_of(call(*fwd_, args, fwd_what_), fwd_what_);
     const bool extras_needed = need.any() && p_.n_extra > 0;
     TORCH_CHECK(got.size() == p_.n_out + p_.n_extra || (!extras_needed && got.size() == p_.n_out),
                 what_, " forward returned ", got.size(), " tensors, expected ", p_.n_out, " (",
@@ -122,7 +124,7 @@ class PythonBackend final : public BackendImpl {
     py::gil_scoped_acquire gil;
     TORCH_INTERNAL_ASSERT(bwd_ != nullptr);
     py::tuple args = pop_args(s, p_.n_bwd_args);
-    auto got = tensors_of(call(*bwd_, args, what_ + " backward"), what_ + " backward");
+    auto got = tensors_of(call(*bwd_, args, bwd_what_), bwd_what_);
     TORCH_CHECK(got.size() == p_.n_grads, what_, " backward returned ", got.size(),
                 " gradients, expected ", p_.n_grads, " (one per differentiable tensor argument)");
     for (auto& t : got) s.emplace_back(std::move(t));
@@ -131,7 +133,7 @@ class PythonBackend final : public BackendImpl {
   bool has_backward() const override { return bwd_ != nullptr; }
 
  private:
-  std::string what_;
+  std::string what_, fwd_what_, bwd_what_;
   Protocol p_;
   // Leaked on purpose (see the note at the top).
   py::object* fwd_;
