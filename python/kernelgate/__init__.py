@@ -13,6 +13,7 @@ from . import _C  # noqa: F401  (registers torch.ops.kernelgate)
 from ._api import Explanation, explain, ops, use
 from ._define import define_op, register_backend
 from ._logging import install_log_hook
+from . import _ops
 from ._ops import geglu, rms_norm, swiglu
 from ._ops import add_rms_norm, layer_norm
 from ._ops import qk_norm_rope, rope
@@ -33,5 +34,7 @@ evidence.install()
 def __getattr__(name: str):
     """kg.<op> for every op, those defined later (kg.define_op, plugins) included."""
     if not name.startswith("_") and name in {o["name"] for o in _C.ops()}:
-        return getattr(__import__("torch").ops.kernelgate, name).default
+        fn = _ops.routed(name)
+        globals()[name] = fn  # found once
+        return fn
     raise AttributeError(f"module 'kernelgate' has no attribute '{name}'")

@@ -463,6 +463,18 @@ PYBIND11_MODULE(_C, m) {
         d["ref_max_over_rms"] = r.ref_max_over_rms;
         return d;
       });
+  m.def("fast_op", [](const std::string& name, py::object fallback) {
+    auto op = std::make_shared<FastOp>(name);
+    // A builtin function (torch.compile can substitute it), falling back to `fallback` (the
+    // torch.ops overload) for what it does not take.
+    return py::cpp_function([op, fallback](py::args args, py::kwargs kwargs) -> py::object {
+      if (kwargs.empty()) {
+        py::object out = op->call(args);
+        if (!out.is(py::handle(Py_NotImplemented))) return out;
+      }
+      return fallback(*args, **kwargs);
+    }, py::name(name.c_str()));
+  });
   m.def("register_backend", &register_python_backend, py::arg("op"), py::arg("name"),
         py::arg("forward"), py::arg("backward"), py::arg("can_implement"), py::arg("available"),
         py::arg("reason"), py::arg("version"));

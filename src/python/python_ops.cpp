@@ -9,7 +9,9 @@
 // long as the process, past the interpreter.
 #include "python/python_ops.h"
 
+#include <ATen/PythonTorchFunctionTLS.h>
 #include <torch/csrc/Dtype.h>
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/jit/frontend/function_schema_parser.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
@@ -161,6 +163,107 @@ CanImplement python_can_implement(py::object fn, std::string what) {
 }
 
 }  // namespace
+
+FastOp::FastOp(const std::string& name)
+    : handle_(c10::Dispatcher::singleton().findSchemaOrThrow(("kernelgate::" + name).c_str(), "")),
+      entry_(Dispatcher::get().find_op(name)) {
+  TORCH_CHECK(entry_ != nullptr, "no kernelgate op '", name, "'");
+  for (const auto& a : handle_.schema().arguments()) {
+    const auto& t = a.type();
+    char k = '?';
+    if (t->kind() == c10::TypeKind::TensorType) {
+      k = 'T';
+    } else if (auto o = t->cast<c10::OptionalType>()) {
+      if (o->getElementType()->kind() == c10::TypeKind::TensorType) k = 'O';
+    } else if (t->kind() == c10::TypeKind::FloatType) {
+      k = 'f';
+    } else if (t->kind() == c10::TypeKind::IntType) {
+      k = 'i';
+    } else if (t->kind() == c10::TypeKind::BoolType) {
+      k = 'b';
+    } else if (t->kind() == c10::TypeKind::StringType) {
+      k = 's';
+    }
+    kinds_ += k;
+    defaults_.push_back(a.default_value() ? *a.default_value() : c10::IValue());
+    has_default_.push_back(a.default_value().has_value());
+  }
+  returns_ = handle_.schema().returns().size();
+}
+
+bool FastOp::has_python_backend() const {
+  const auto& backends = entry_->backends;
+  for (size_t i = 0; i < backends.size(); ++i) {
+    if (backends[i].kind == BackendKind::kPython && entry_->availability[i].ok) return true;
+  }
+  return false;
+}
+
+py::object FastOp::call(const py::args& args) const {
+  HANDLE_TH_ERRORS
+  const size_t n = args.size();
+  // What only torch's own path handles: a __torch_function__ mode, too many arguments.
+  if (n > kinds_.size() || at::impl::torch_function_mode_enabled()) return py::reinterpret_borrow<py::object>(Py_NotImplemented);
+  torch::jit::Stack stack;
+  stack.reserve(kinds_.size());
+  for (size_t i = 0; i < kinds_.size(); ++i) {
+    if (i >= n) {
+      if (!has_default_[i]) return py::reinterpret_borrow<py::object>(Py_NotImplemented);
+      stack.push_back(defaults_[i]);
+      continue;
+    }
+    PyObject* o = PyTuple_GET_ITEM(args.ptr(), i);
+    switch (kinds_[i]) {
+      case 'O':
+        if (o == Py_None) {
+          stack.emplace_back();
+          break;
+        }
+        [[fallthrough]];
+      case 'T':
+        // Exact tensors only: subclasses and proxies take torch's path (__torch_function__).
+        if (!THPVariable_CheckExact(o)) return py::reinterpret_borrow<py::object>(Py_NotImplemented);
+        stack.emplace_back(THPVariable_Unpack(o));
+        break;
+      case 'f':
+        if (!PyFloat_Check(o) && !(PyLong_Check(o) && !PyBool_Check(o))) {
+          return py::reinterpret_borrow<py::object>(Py_NotImplemented);
+        }
+        stack.emplace_back(PyFloat_AsDouble(o));
+        break;
+      case 'i':
+        if (!PyLong_Check(o) || PyBool_Check(o)) return py::reinterpret_borrow<py::object>(Py_NotImplemented);
+        stack.emplace_back(static_cast<int64_t>(PyLong_AsLongLong(o)));
+        break;
+      case 'b':
+        if (!PyBool_Check(o)) return py::reinterpret_borrow<py::object>(Py_NotImplemented);
+        stack.emplace_back(o == Py_True);
+        break;
+      case 's':
+        if (!PyUnicode_Check(o)) return py::reinterpret_borrow<py::object>(Py_NotImplemented);
+        stack.emplace_back(std::string(PyUnicode_AsUTF8(o)));
+        break;
+      default:
+        return py::reinterpret_borrow<py::object>(Py_NotImplemented);
+    }
+    if (PyErr_Occurred()) return py::reinterpret_borrow<py::object>(Py_NotImplemented);  // overflow
+  }
+  // As torch's own path, other Python threads run while the op does; except where the op has a
+  // Python backend, which would take the GIL straight back.
+  if (has_python_backend()) {
+    handle_.callBoxed(stack);
+  } else {
+    py::gil_scoped_release release;
+    handle_.callBoxed(stack);
+  }
+  if (returns_ == 1) return py::reinterpret_steal<py::object>(THPVariable_Wrap(stack[0].toTensor()));
+  py::tuple out(stack.size());
+  for (size_t i = 0; i < stack.size(); ++i) {
+    PyTuple_SET_ITEM(out.ptr(), i, THPVariable_Wrap(stack[i].toTensor()));
+  }
+  return out;
+  END_HANDLE_TH_ERRORS_PYBIND
+}
 
 int register_python_backend(const std::string& op, const std::string& name, py::object forward,
                             py::object backward, py::object can_implement, bool available,

@@ -2,11 +2,34 @@
 #pragma once
 #include <torch/csrc/utils/pybind.h>
 
+#include <ATen/core/dispatch/Dispatcher.h>
+
 #include <string>
+#include <vector>
 
 #include "kernelgate/dispatch.h"
 
 namespace kernelgate {
+
+// The eager entry of an op from Python, without torch.ops' generic argument parsing: positional
+// arguments of the kinds the schema has (the schema's defaults for those left out), exact
+// torch.Tensor arguments. Anything else (a subclass, a proxy, a keyword, a __torch_function__
+// mode) returns NotImplemented, and the caller takes torch.ops (kernelgate/_ops.py). The call
+// goes through PyTorch's dispatcher like any other: autograd, Python dispatch modes, CUDA graphs.
+class FastOp {
+ public:
+  explicit FastOp(const std::string& name);
+  pybind11::object call(const pybind11::args& args) const;
+
+ private:
+  bool has_python_backend() const;
+  c10::OperatorHandle handle_;
+  const OpEntry* entry_;
+  std::string kinds_;
+  std::vector<c10::IValue> defaults_;
+  std::vector<bool> has_default_;
+  size_t returns_ = 0;
+};
 
 // Adds a Python backend to `op`: forward(*op_args) -> outputs [+ extras]; backward (None:
 // forward only) (*_<op>_bwd args without the mask) -> one gradient per differentiable tensor
