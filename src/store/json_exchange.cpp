@@ -408,8 +408,19 @@ std::map<std::string, std::string> string_map_from_json(const std::string& text,
 }  // namespace detail
 
 void Store::export_json(const std::string& json_path) const {
+  // The document goes into what the user named: a new path or a regular file (through its
+  // symbolic links: the link stays a link); anything else is refused, never replaced.
+  if (std::string why = detail::unwritable_reason(json_path); !why.empty()) {
+    fail(path_, "cannot export to " + json_path + ": it " + why +
+                "; export writes only a regular file or a new path");
+  }
+  std::error_code ec;
+  const std::string target = std::filesystem::exists(json_path, ec)
+                                 ? std::filesystem::canonical(json_path, ec).string()
+                                 : json_path;
+  if (ec) fail(path_, "cannot export to " + json_path + ": " + ec.message());
   // Written beside the target and renamed, so a reader never sees half a document.
-  const std::string tmp = json_path + ".tmp." + std::to_string(::getpid());
+  const std::string tmp = target + ".tmp." + std::to_string(::getpid());
   try {
     std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
     JsonWriter writer(f);
@@ -417,8 +428,7 @@ void Store::export_json(const std::string& json_path) const {
     writer.finish();
     f.close();
     if (!f) fail(path_, "cannot write " + tmp);
-    std::error_code ec;
-    std::filesystem::rename(tmp, json_path, ec);
+    std::filesystem::rename(tmp, target, ec);
     if (ec) fail(path_, "cannot move the export into " + json_path + ": " + ec.message());
   } catch (...) {
     std::remove(tmp.c_str());

@@ -5,7 +5,13 @@
 // Only a file classified as ours (or empty) is reopened read-write.
 #include "store/store.h"
 
+#include <sys/stat.h>
 #include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <thread>
 
 #include <cctype>
 #include <charconv>
@@ -69,6 +75,11 @@ constexpr Migration kMigrations[] = {{1, kSchemaV1}};
 static_assert(std::size(kMigrations) == kSchemaVersion, "one step per schema version");
 
 // A reason the file cannot be used; becomes OpenResult::problem.
+// The wait for a store another process is creating at the same path: between creating the
+// file and its first transaction it is empty for a few milliseconds.
+constexpr int kEmptyFileRechecks = 20;
+constexpr auto kEmptyFileRecheckDelay = std::chrono::milliseconds(50);
+
 struct Problem {
   std::string message;
 };
@@ -194,6 +205,23 @@ void migrate(sqlite3* db, const std::string& path, int from, std::span<const Mig
 
 }  // namespace
 
+std::string detail::unwritable_reason(const std::string& path) {
+  struct stat st;
+  if (::stat(path.c_str(), &st) != 0) {
+    if (errno != ENOENT) return std::string("cannot be inspected (") + std::strerror(errno) + ")";
+    struct stat link;
+    if (::lstat(path.c_str(), &link) == 0) return "is a symbolic link to a missing file";
+    return "";  // a new path
+  }
+  if (S_ISREG(st.st_mode)) return "";
+  if (S_ISDIR(st.st_mode)) return "is a directory, not a file";
+  if (S_ISFIFO(st.st_mode)) return "is a FIFO (named pipe), not a regular file";
+  if (S_ISCHR(st.st_mode)) return "is a character device, not a regular file";
+  if (S_ISBLK(st.st_mode)) return "is a block device, not a regular file";
+  if (S_ISSOCK(st.st_mode)) return "is a socket, not a regular file";
+  return "is not a regular file";
+}
+
 std::span<const Migration> schema_migrations() { return kMigrations; }
 
 OpenResult Store::open(const std::string& path, Mode mode) {
@@ -210,12 +238,14 @@ OpenResult Store::open(const std::string& path, Mode mode, std::span<const Migra
     }
     if (steps.empty()) throw Problem{"internal: no migration steps"};
     const int known = steps.back().to_version;
+    // Decided before anything opens the path: SQLite would block on a FIFO, and write beside
+    // (or into) a device.
+    if (std::string why = unwritable_reason(path); !why.empty()) {
+      throw Problem{"evidence store " + path + " " + why + "; the store must be a regular file or a new path"};
+    }
     std::error_code ec;
     bool exists = fs::exists(path, ec);
     if (ec) throw Problem{"cannot inspect evidence store " + path + ": " + ec.message()};
-    if (exists && fs::is_directory(path, ec)) {
-      throw Problem{"evidence store " + path + " is a directory, not a file"};
-    }
     if (!exists && mode == Mode::kReadOnly) {
       throw Problem{"no evidence store at " + path + " (a read-only open creates nothing)"};
     }
@@ -224,6 +254,20 @@ OpenResult Store::open(const std::string& path, Mode mode, std::span<const Migra
       // Read-only, so a file refused here is not written (a WAL-mode file gains -wal/-shm).
       DbPtr probe = open_read_only(path);
       Classification c = classify(probe.get(), path, known);
+      // An existing file that is no store of ours (empty, or SQLite with no tables) is never
+      // made one: only a new path or a kernelgate store is written. One another kernelgate
+      // process has just created is empty for an instant: look again before refusing.
+      for (int i = 0; c.empty && i < kEmptyFileRechecks; ++i) {
+        std::this_thread::sleep_for(kEmptyFileRecheckDelay);
+        probe = open_read_only(path);
+        c = classify(probe.get(), path, known);
+      }
+      if (c.empty) {
+        throw Problem{"evidence store " + path +
+                      " exists but is not a kernelgate store (an empty file, or an SQLite "
+                      "database with no tables); it was left as it was: kernelgate writes only a "
+                      "new path or a store of its own"};
+      }
       if (mode == Mode::kReadOnly) {
         if (c.empty || c.version < known) {
           throw Problem{"evidence store " + path +

@@ -21,6 +21,12 @@
 
 namespace kernelgate::store::detail {
 
+// Why kernelgate must not write `path` ("is a FIFO", "is a directory", ...), decided from the
+// file's type alone (following symbolic links) without opening it: empty when the path is new
+// or names a regular file. Every file a command writes at a path a user named goes through this:
+// writing would replace a device, block on a FIFO, or write through a dangling link.
+std::string unwritable_reason(const std::string& path);
+
 constexpr int32_t kApplicationId = 0x4B474556;  // "KGEV" in the SQLite header
 constexpr std::string_view kApplicationName = "kernelgate-evidence";
 

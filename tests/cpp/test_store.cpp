@@ -3,6 +3,7 @@
 // idempotent and all-or-nothing.
 #include <gtest/gtest.h>
 #include <sqlite3.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -527,16 +528,81 @@ TEST_F(StoreTest, ReadOnlyOpenOfMissingFileCreatesNothing) {
   EXPECT_TRUE(files().empty());
 }
 
-TEST_F(StoreTest, ReadWriteOpenCreatesDirectoriesAndAcceptsAnEmptyFile) {
+TEST_F(StoreTest, ReadWriteOpenCreatesANewPathWithItsDirectories) {
   auto deep = Store::open(path("a/b/c/evidence.sqlite"), Mode::kReadWrite);
   ASSERT_TRUE(deep) << deep.problem;
   EXPECT_EQ(deep.store->schema_version(), kSchemaVersion);
+  EXPECT_EQ(raw_sql(path("a/b/c/evidence.sqlite"), "PRAGMA application_id"), "1262962006\n");
+  EXPECT_EQ(raw_sql(path("a/b/c/evidence.sqlite"), "PRAGMA journal_mode"), "wal\n");
+}
+
+// Only a new path or a kernelgate store is written: an existing empty file, or an SQLite file
+// with no tables, is someone's, and stays byte for byte as it was.
+TEST_F(StoreTest, AnExistingFileThatIsNoStoreIsNeverTakenOver) {
   write_bytes(path("empty.sqlite"), "");
-  EXPECT_FALSE(Store::open(path("empty.sqlite"), Mode::kReadOnly));
-  auto empty = Store::open(path("empty.sqlite"), Mode::kReadWrite);
-  ASSERT_TRUE(empty) << empty.problem;
-  EXPECT_EQ(raw_sql(path("empty.sqlite"), "PRAGMA application_id"), "1262962006\n");
-  EXPECT_EQ(raw_sql(path("empty.sqlite"), "PRAGMA journal_mode"), "wal\n");
+  expect_refused(path("empty.sqlite"), "exists but is not a kernelgate store");
+  raw_sql(path("tableless.sqlite"), "PRAGMA user_version = 7");  // a valid database, no tables
+  expect_refused(path("tableless.sqlite"), "exists but is not a kernelgate store");
+}
+
+// A path that is not a regular file is refused from its type alone: nothing opens it (a FIFO
+// would block the open forever, a device would gain a -journal beside it).
+TEST_F(StoreTest, APathThatIsNoRegularFileIsRefusedWithoutBeingOpened) {
+  ASSERT_EQ(mkfifo(path("fifo").c_str(), 0600), 0);
+  fs::create_directory(path("dir"));
+  fs::create_symlink(path("missing.sqlite"), path("dangling"));
+  const std::pair<std::string, std::string> cases[] = {
+      {path("fifo"), "is a FIFO"},
+      {path("dir"), "is a directory"},
+      {path("dangling"), "is a symbolic link to a missing file"},
+      {"/dev/null", "is a character device"},
+  };
+  for (const auto& [file, why] : cases) {
+    for (Mode mode : {Mode::kReadOnly, Mode::kReadWrite}) {
+      OpenResult r = Store::open(file, mode);
+      EXPECT_FALSE(r) << file;
+      EXPECT_NE(r.problem.find(why), std::string::npos) << r.problem;
+    }
+  }
+  EXPECT_FALSE(fs::exists("/dev/null-journal"));
+  EXPECT_FALSE(fs::exists(path("missing.sqlite")));
+  EXPECT_TRUE(fs::is_fifo(path("fifo")));
+  // A link to a store is the store.
+  make_store("real.sqlite", 2, sample_fingerprint());
+  fs::create_symlink(path("real.sqlite"), path("link.sqlite"));
+  OpenResult through = Store::open(path("link.sqlite"), Mode::kReadWrite);
+  ASSERT_TRUE(through) << through.problem;
+  EXPECT_EQ(through.store->results(sample_fingerprint().id()).size(), 2u);
+}
+
+// Export writes into what the user named: a new path or a regular file (through a link, which
+// stays a link); anything else is refused and left as it was.
+TEST_F(StoreTest, ExportNeverReplacesWhatThePathIs) {
+  make_store("s.sqlite", 3, sample_fingerprint());
+  OpenResult src = Store::open(path("s.sqlite"), Mode::kReadOnly);
+  ASSERT_TRUE(src) << src.problem;
+  ASSERT_EQ(mkfifo(path("fifo").c_str(), 0600), 0);
+  fs::create_directory(path("dir"));
+  for (const std::string target : {path("fifo"), path("dir"), std::string("/dev/null")}) {
+    try {
+      src.store->export_json(target);
+      ADD_FAILURE() << "exported to " << target;
+    } catch (const StoreError& e) {
+      EXPECT_NE(std::string(e.what()).find("export writes only a regular file or a new path"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+  EXPECT_TRUE(fs::is_fifo(path("fifo")));
+  EXPECT_TRUE(fs::is_directory(path("dir")));
+  EXPECT_TRUE(fs::is_character_file("/dev/null"));
+  write_bytes(path("old.json"), "old");
+  fs::create_symlink(path("old.json"), path("link.json"));
+  src.store->export_json(path("link.json"));
+  EXPECT_TRUE(fs::is_symlink(path("link.json")));
+  EXPECT_NE(read_bytes(path("old.json")).find("kernelgate-evidence"), std::string::npos);
+  src.store->export_json(path("new.json"));
+  EXPECT_EQ(read_bytes(path("new.json")), read_bytes(path("old.json")));
 }
 
 // ---- Migrations ----------------------------------------------------------------------------
