@@ -11,6 +11,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -49,6 +50,17 @@ struct CallView {
   // defaults, another value per alternative. Part of the key, so evidence for one never serves
   // another.
   uint16_t variant = 0;
+  // Set when the tensors stand for a call elsewhere (explain on meta tensors of a CUDA call).
+  std::optional<c10::Device> on;
+
+  // The device the call runs on: `on`, else the first present tensor's.
+  c10::Device device() const {
+    if (on) return *on;
+    for (int i = 0; i < num_tensors; ++i) {
+      if (tensors[i] != nullptr && tensors[i]->defined()) return tensors[i]->device();
+    }
+    return c10::Device(c10::kCPU);
+  }
 };
 
 // Which tensor arguments (by position in the contract) a call needs gradients for. Empty: the

@@ -43,24 +43,33 @@ def _parse_shapes(specs: List[str]) -> Dict[str, List[int]]:
     shapes = {}
     for spec in specs:
         if "=" not in spec:
-            raise SystemExit(f"--shape must be NAME=D0xD1x..., got '{spec}'")
+            raise SystemExit(f"kernelgate explain: --shape must be NAME=D0xD1x..., got '{spec}'")
         name, dims = spec.split("=", 1)
         try:
-            shapes[name] = [int(d) for d in dims.split("x")] if dims else []
+            shape = [int(d) for d in dims.split("x")] if dims else []
         except ValueError:
-            raise SystemExit(f"--shape {name}: dims must be integers separated by 'x', got '{dims}'")
+            raise SystemExit(f"kernelgate explain: --shape {name}: dims must be integers separated by 'x', "
+                             f"got '{dims}'")
+        if any(d < 0 or d >= 2**62 for d in shape):
+            raise SystemExit(f"kernelgate explain: --shape {name}: every dim must be in [0, 2^62), got '{dims}'")
+        shapes[name] = shape
     return shapes
 
 
-def _tensors_for(op: dict, shapes: Dict[str, List[int]], dtype, device) -> List[Optional[torch.Tensor]]:
-    """Tensors for each tensor argument: given shapes, or derived from the named dims."""
-    specs = {}
+def _tensors_for(op: dict, shapes: Dict[str, List[int]], dtype) -> List[Optional[torch.Tensor]]:
+    """Meta tensors for each tensor argument (nothing is allocated): given shapes, or derived
+    from the named dims. Index tensors (a dims entry ending in 'index') are int64."""
+    specs, index = {}, set()
     for entry in op["dims"].split(";"):
         name, dims = entry.split(":", 1)
-        specs[name.strip().rstrip("?")] = [d.strip() for d in dims[dims.index("[") + 1 : dims.index("]")].split(",")]
+        name = name.strip().rstrip("?")
+        specs[name] = [d.strip() for d in dims[dims.index("[") + 1 : dims.index("]")].split(",")]
+        if dims.strip().endswith("index"):
+            index.add(name)
     for name in shapes:
         if name not in specs:
-            raise SystemExit(f"{op['name']} has no tensor argument '{name}'; it has {', '.join(specs)}")
+            raise SystemExit(f"kernelgate explain: {op['name']} has no tensor argument '{name}'; "
+                             f"it has {', '.join(specs)}")
     known: Dict[str, int] = {}
     for name, shape in shapes.items():
         fixed = [d for d in specs[name] if not d.startswith("*")]
@@ -77,27 +86,43 @@ def _tensors_for(op: dict, shapes: Dict[str, List[int]], dtype, device) -> List[
             out.append(None)
             continue
         else:
-            raise SystemExit(f"give the shape of '{name}' with --shape {name}=...")
-        out.append(torch.empty(shape, dtype=dtype, device=device).normal_())
+            raise SystemExit(f"kernelgate explain: give the shape of '{name}' with --shape {name}=...")
+        out.append(torch.empty(shape, dtype=torch.int64 if name in index else dtype, device="meta"))
     return out
+
+
+def _check_device(device: str, command: str) -> None:
+    try:
+        d = torch.device(device)
+    except RuntimeError:
+        raise SystemExit(f"kernelgate {command}: --device must be cpu or cuda[:N], got '{device}'")
+    if d.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"kernelgate {command}: --device {device}: no CUDA device is visible here")
+    if d.type == "cuda" and d.index is not None and d.index >= torch.cuda.device_count():
+        raise SystemExit(f"kernelgate {command}: --device {device}: this machine has "
+                         f"{torch.cuda.device_count()} CUDA device(s)")
+    if d.type not in ("cpu", "cuda"):
+        raise SystemExit(f"kernelgate {command}: --device must be cpu or cuda[:N], got '{device}'")
 
 
 def cmd_explain(args) -> int:
     op = next((o for o in kg.ops() if o["name"] == args.op), None)
     if op is None:
-        raise SystemExit(f"unknown op '{args.op}'; kernelgate has: {', '.join(o['name'] for o in kg.ops())}")
-    tensors = _tensors_for(op, _parse_shapes(args.shape), DTYPES[args.dtype], args.device)
+        raise SystemExit(f"kernelgate explain: unknown op '{args.op}'; kernelgate has: "
+                         f"{', '.join(o['name'] for o in kg.ops())}")
+    _check_device(args.device, "explain")
+    tensors = _tensors_for(op, _parse_shapes(args.shape), DTYPES[args.dtype])
     with torch.set_grad_enabled(args.grad):
         for t in tensors:
-            if t is not None and args.grad:
+            if t is not None and args.grad and t.is_floating_point():
                 t.requires_grad_(True)
-        e = kg.explain(args.op, *tensors)
+        e = kg.explain(args.op, *tensors, device=args.device)
     if args.json:
         print(json.dumps({"op": e.op, "key": e.key, "backend": e.backend, "reason": e.reason,
-                          "candidates": [c.__dict__ for c in e.candidates]}, indent=2))
+                          "valid": e.valid, "candidates": [c.__dict__ for c in e.candidates]}, indent=2))
     else:
         print(e)
-    return 0
+    return 0 if e.valid else 1
 
 
 # ---- evidence: validate, bench run, policy show, db, doctor -------------------------------------
@@ -277,6 +302,7 @@ def cmd_doctor(args) -> int:
 def cmd_demo(args) -> int:
     """rms_norm forward and backward through kernelgate, and which backend served it and why."""
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    _check_device(device, "demo")
     ours = "kernelgate_cuda" if device == "cuda" else "kernelgate_cpu"
     dtype = torch.bfloat16
     torch.manual_seed(0)

@@ -220,8 +220,8 @@ DispatchKey Dispatcher::make_key(OpId op, const CallView& call, const BoundDims&
     if (first == nullptr) first = t;
     key.dtypes[a] = static_cast<uint8_t>(t->scalar_type());
   }
-  if (first != nullptr && first->is_cuda()) {
-    key.arch = static_cast<int16_t>(cuda_arch(first->get_device()));
+  if (const c10::Device device = call.device(); device.is_cuda()) {
+    key.arch = static_cast<int16_t>(cuda_arch(device.index() < 0 ? 0 : device.index()));
   }
   const size_t n = impl_->ops[op]->contract.named_dims.size();
   for (size_t i = 0; i < n; ++i) key.buckets[i] = size_bucket(dims.size[i]);

@@ -126,10 +126,7 @@ std::tuple<Tensor, Tensor> cuda_bwd(const Tensor& dy, const OptTensor& dh, const
 }
 
 Support cuda_can_implement(const CallView& call) {
-  const Tensor& x = *call.tensors[0];
-  if (!x.is_cuda()) return Support::no("x is not on a CUDA device");
-  if (cuda_arch(x.get_device()) < 80) return Support::no("needs compute capability 8.0 or newer");
-  return Support::yes();
+  return cuda_sm80(call, "x is not on a CUDA device");
 }
 #endif
 

@@ -265,9 +265,8 @@ Tensor cuda_bwd(const Tensor& dloss, const Tensor& logits, const Tensor& target,
 }
 
 Support cuda_can_implement(const CallView& call) {
+  if (Support s = cuda_sm80(call, "logits is not on a CUDA device"); !s.ok) return s;
   const Tensor& x = *call.tensors[0];
-  if (!x.is_cuda()) return Support::no("logits is not on a CUDA device");
-  if (cuda_arch(x.get_device()) < 80) return Support::no("needs compute capability 8.0 or newer");
   if (x.size(1) > std::numeric_limits<int>::max() / 2) return Support::no("more than 2^30 classes");
   return Support::yes();
 }

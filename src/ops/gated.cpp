@@ -88,10 +88,7 @@ std::tuple<Tensor, Tensor> cuda_bwd(const Tensor& dy, const Tensor& gate, const 
 }
 
 Support cuda_can_implement(const CallView& call) {
-  const Tensor& g = *call.tensors[0];
-  if (!g.is_cuda()) return Support::no("gate is not on a CUDA device");
-  if (cuda_arch(g.get_device()) < 80) return Support::no("needs compute capability 8.0 or newer");
-  return Support::yes();
+  return cuda_sm80(call, "gate is not on a CUDA device");
 }
 #endif
 

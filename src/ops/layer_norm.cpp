@@ -91,8 +91,7 @@ Tensor3 aten_bwd(const Tensor& dy, const Tensor& x, const OptTensor& w, const Te
 }
 
 Support aten_can_implement(const CallView& call) {
-  const Tensor& x = *call.tensors[0];
-  if (call.grad && !x.is_cuda()) {
+  if (call.grad && !call.device().is_cuda()) {
     return Support::no("ATen's CPU layer norm keeps its statistics in x's dtype, not float32");
   }
   return Support::yes();
@@ -158,10 +157,7 @@ Tensor3 cuda_bwd(const Tensor& dy, const Tensor& x, const OptTensor& w, const Te
 }
 
 Support cuda_can_implement(const CallView& call) {
-  const Tensor& x = *call.tensors[0];
-  if (!x.is_cuda()) return Support::no("x is not on a CUDA device");
-  if (cuda_arch(x.get_device()) < 80) return Support::no("needs compute capability 8.0 or newer");
-  return Support::yes();
+  return cuda_sm80(call, "x is not on a CUDA device");
 }
 #endif
 

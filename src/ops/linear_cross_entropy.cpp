@@ -247,8 +247,7 @@ constexpr Plan kCpu{ce::aten_chunk_step, true, true};
 constexpr Plan kCpuNarrow{ce::aten_chunk_step, true, false};
 
 Support cpu_can_implement(const CallView& call) {
-  if (!call.tensors[0]->is_cpu()) return Support::no("hidden is not on the CPU");
-  return Support::yes();
+  return on_cpu(call, "hidden is not on the CPU");
 }
 
 #ifdef KERNELGATE_WITH_CUDA
@@ -256,9 +255,7 @@ constexpr Plan kCuda{ce::cuda_chunk_step, true, true};
 constexpr Plan kCudaNarrow{ce::cuda_chunk_step, true, false};
 
 Support cuda_can_implement(const CallView& call) {
-  const Tensor& h = *call.tensors[0];
-  if (!h.is_cuda()) return Support::no("hidden is not on a CUDA device");
-  if (cuda_arch(h.get_device()) < 80) return Support::no("needs compute capability 8.0 or newer");
+  if (Support s = cuda_sm80(call, "hidden is not on a CUDA device"); !s.ok) return s;
   if (call.tensors[1]->size(0) > std::numeric_limits<int>::max() / 2) {
     return Support::no("more than 2^30 classes");
   }

@@ -100,4 +100,20 @@ inline Support cuda_available() {
 }
 #endif
 
+// What every CUDA kernel of ours needs: the call on a CUDA device of compute capability 8.0 or
+// newer. `not_cuda` names the tensor ("x is not on a CUDA device").
+inline Support cuda_sm80(const CallView& call, const char* not_cuda) {
+  const c10::Device device = call.device();
+  if (!device.is_cuda()) return Support::no(not_cuda);
+  if (cuda_arch(device.index() < 0 ? 0 : device.index()) < 80) {
+    return Support::no("needs compute capability 8.0 or newer");
+  }
+  return Support::yes();
+}
+
+// The call is on the CPU. `not_cpu` names the tensor ("x is not on the CPU").
+inline Support on_cpu(const CallView& call, const char* not_cpu) {
+  return call.device().is_cpu() ? Support::yes() : Support::no(not_cpu);
+}
+
 }  // namespace kernelgate

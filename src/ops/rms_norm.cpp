@@ -78,7 +78,7 @@ Pair aten_bwd(const Tensor& dy, const Tensor& x, const OptTensor& w, const Tenso
 }
 
 Support aten_can_implement(const CallView& call) {
-  if (call.grad && !call.tensors[0]->is_cuda()) {
+  if (call.grad && !call.device().is_cuda()) {
     return Support::no("ATen's fused rms_norm backward exists only for CUDA");
   }
   return Support::yes();
@@ -154,8 +154,7 @@ Pair cpu_bwd(const Tensor& dy, const Tensor& x, const OptTensor& w, const Tensor
 }
 
 Support cpu_can_implement(const CallView& call) {
-  if (!call.tensors[0]->is_cpu()) return Support::no("x is not on the CPU");
-  return Support::yes();
+  return on_cpu(call, "x is not on the CPU");
 }
 
 // ---- kernelgate_cuda: our CUDA kernels.
@@ -190,10 +189,7 @@ Pair cuda_bwd(const Tensor& dy, const Tensor& x, const OptTensor& w, const Tenso
 }
 
 Support cuda_can_implement(const CallView& call) {
-  const Tensor& x = *call.tensors[0];
-  if (!x.is_cuda()) return Support::no("x is not on a CUDA device");
-  if (cuda_arch(x.get_device()) < 80) return Support::no("needs compute capability 8.0 or newer");
-  return Support::yes();
+  return cuda_sm80(call, "x is not on a CUDA device");
 }
 #endif
 

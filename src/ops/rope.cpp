@@ -230,17 +230,15 @@ TensorQuad norm_cuda_bwd(const Tensor& g_q, const Tensor& g_k, const Tensor& x_q
 }
 
 Support rope_cuda_can_implement(const CallView& call) {
+  if (Support s = cuda_sm80(call, "q is not on a CUDA device"); !s.ok) return s;
   const Tensor& q = *call.tensors[0];
-  if (!q.is_cuda()) return Support::no("q is not on a CUDA device");
-  if (cuda_arch(q.get_device()) < 80) return Support::no("needs compute capability 8.0 or newer");
   if (q.size(-1) > 65536) return Support::no("head_dim above 65536 is not supported by the CUDA kernel");
   return Support::yes();
 }
 
 Support norm_cuda_can_implement(const CallView& call) {
+  if (Support s = cuda_sm80(call, "q is not on a CUDA device"); !s.ok) return s;
   const Tensor& q = *call.tensors[0];
-  if (!q.is_cuda()) return Support::no("q is not on a CUDA device");
-  if (cuda_arch(q.get_device()) < 80) return Support::no("needs compute capability 8.0 or newer");
   // The backward keeps two float32 rows of weight-gradient sums in 48 KiB of shared memory.
   if (q.size(-1) > 4096) return Support::no("head_dim above 4096 is not supported by the CUDA kernel");
   return Support::yes();

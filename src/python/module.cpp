@@ -48,12 +48,15 @@ CallView to_call(const OpEntry& e, const std::vector<std::optional<at::Tensor>>&
   return call;
 }
 
+// `device`: the device the call would run on, when the tensors stand for it (meta tensors).
 py::dict explain(const std::string& op, const std::vector<std::optional<at::Tensor>>& tensors,
-                 bool grad, const std::map<std::string, std::string>& strings) {
+                 bool grad, const std::map<std::string, std::string>& strings,
+                 const std::optional<std::string>& device) {
   const OpEntry& e = find(op);
   std::vector<at::Tensor> keep;
   CallView call = to_call(e, tensors, grad, keep);
   call.variant = variant_of(e.contract, strings);
+  if (device) call.on = c10::Device(*device);
   BoundDims dims = check_call(e.contract, call);
   Explanation ex = Dispatcher::get().explain(e.id, call, dims);
   py::list cands;
@@ -335,7 +338,7 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "kernelgate engine bindings";
   m.def("ops", &ops, "Ops, their contracts and backends with availability");
   m.def("explain", &explain, py::arg("op"), py::arg("tensors"), py::arg("grad") = false,
-        py::arg("strings") = std::map<std::string, std::string>{},
+        py::arg("strings") = std::map<std::string, std::string>{}, py::arg("device") = py::none(),
         "The decision for a call, with every candidate's reason");
   m.def("force", [](const std::string& op, const std::string& b) { Dispatcher::get().force(op, b); });
   m.def("exclude",
