@@ -37,6 +37,10 @@ struct Support {
 // Never on the hot path: each distinct text is stored once.
 const char* intern(const std::string& text);
 
+// `text` with each byte that is not part of valid UTF-8 written as \xNN: for messages that
+// quote environment values or file names on their way to Python.
+std::string valid_utf8(const std::string& text);
+
 enum class BackendKind : uint8_t { kReference, kKernelgate, kVendor, kPython };
 const char* backend_kind_name(BackendKind kind);
 

@@ -16,7 +16,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 
 def db_path() -> str:
     """KERNELGATE_DB if set, else kernelgate/evidence.sqlite under the user's cache directory."""
-    return _C.default_db_path()
+    return os.fsdecode(_C.default_db_path())
 
 
 def shipped_paths() -> List[str]:
@@ -34,4 +34,4 @@ def worker_argv(plugins: List[str], python: bool = False) -> List[str]:
 
 
 def install() -> None:
-    _C.use_evidence(db_path(), shipped_paths())
+    _C.use_evidence(os.fsencode(db_path()), [os.fsencode(p) for p in shipped_paths()])

@@ -65,6 +65,27 @@ std::string rtrim_copy(std::string s) {
 
 }  // namespace
 
+std::string valid_utf8(const std::string& text) {
+  std::string out;
+  out.reserve(text.size());
+  for (size_t i = 0; i < text.size();) {
+    const unsigned char c = static_cast<unsigned char>(text[i]);
+    size_t n = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xE ? 3 : (c >> 3) == 0x1E ? 4 : 0;
+    bool ok = n > 0 && i + n <= text.size();
+    for (size_t k = 1; ok && k < n; ++k) ok = (static_cast<unsigned char>(text[i + k]) >> 6) == 0x2;
+    if (ok) {
+      out.append(text, i, n);
+      i += n;
+    } else {
+      char esc[5];
+      std::snprintf(esc, sizeof(esc), "\\x%02x", c);
+      out += esc;
+      ++i;
+    }
+  }
+  return out;
+}
+
 int cuda_arch(int device_index) {
   if (device_index < 0 || device_index >= static_cast<int>(g_arch_cache.size())) return 0;
   int16_t cached = g_arch_cache[device_index].load(std::memory_order_relaxed);
@@ -488,10 +509,13 @@ void Dispatcher::log_once(LogLevel level, OpId op, const std::string& reason) {
     hook = impl_->hook;
     info = impl_->info_to_stderr;
   }
+  // Messages quote environment values and file names, which may be any bytes: the hook (Python's
+  // logging) gets valid UTF-8.
+  const std::string text = valid_utf8(reason);
   if (hook) {
-    hook(level, name, reason);
+    hook(level, name, text);
   } else {
-    default_log(level, info, name, reason);
+    default_log(level, info, name, text);
   }
 }
 
@@ -504,7 +528,7 @@ void Dispatcher::reset_log_once() {
 namespace {
 
 // Parses "backend" or "op=backend[,op=backend...]". Returns false with `problem` set when malformed.
-bool parse_override_list(const char* text, Dispatcher& d,
+bool parse_override_list(const char* text, Dispatcher& d, bool list_is_exclude,
                          std::vector<std::pair<std::string, std::string>>* out,
                          std::string* problem) {
   std::string s(text);
@@ -549,6 +573,10 @@ bool parse_override_list(const char* text, Dispatcher& d,
       *problem = "no op has a backend '" + backend + "'";
       return false;
     }
+    if (list_is_exclude && backend == "reference") {
+      *problem = "the reference cannot be excluded; it serves every call nothing else may";
+      return false;
+    }
     out->emplace_back(op, backend);
   }
   return true;
@@ -567,7 +595,7 @@ void Dispatcher::apply_env() {
     if (text == nullptr || *text == '\0') continue;
     std::vector<std::pair<std::string, std::string>> parsed;
     std::string problem;
-    if (parse_override_list(text, *this, &parsed, &problem)) {
+    if (parse_override_list(text, *this, v.list == &o.excluded, &parsed, &problem)) {
       *v.list = std::move(parsed);
     } else {
       log_once(LogLevel::kWarning, kNoOp,

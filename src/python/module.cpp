@@ -375,7 +375,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("cuda_arch", &cuda_arch);
   m.def("fingerprint", [](const std::string& op) { return fingerprint_dict(harness::current_fingerprint(op)); },
         py::arg("op") = "");
-  m.def("default_db_path", &store::Store::default_path);
+  // Bytes: KERNELGATE_DB may be any bytes (Python decodes them as file names: os.fsdecode).
+  m.def("default_db_path", [] { return py::bytes(store::Store::default_path()); });
   m.def("op_source_files", &harness::op_source_files);
   m.def("sweep", &run_sweep);
   m.def("load_plugin", [](const std::string& path) { harness::load_backend_plugin(path); });
