@@ -5,6 +5,7 @@ Every command takes --json. The work is done in C++ (kernelgate._C); this is the
 
 import argparse
 import json
+import math
 import os
 import shlex
 import sys
@@ -176,11 +177,7 @@ def _ops_for(name: str) -> List[str]:
 
 def _run_sweep(args, time: bool) -> int:
     grid = "quick" if getattr(args, "quick", False) else getattr(args, "grid", "quick")
-    shard = getattr(args, "shard", "0/1")
-    try:
-        i, n = (int(p) for p in shard.split("/"))
-    except ValueError:
-        raise SystemExit(f"--shard must be i/N, e.g. 0/4, got '{shard}'")
+    i, n = args.shard
     _load_plugins(args.load)
     infos = {o["name"]: o for o in kg.ops()}
     reports = {}
@@ -355,22 +352,70 @@ def _add_load_arg(p) -> None:
                         "module or a .py file (repeat for several)")
 
 
+_INT_MAX = 2**31 - 1
+
+
+def _count(text: str) -> int:
+    """A whole number in [1, 2^31 - 1] (argparse type)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got '{text}'")
+    if not 1 <= v <= _INT_MAX:
+        raise argparse.ArgumentTypeError(f"must be between 1 and {_INT_MAX}, got {v}")
+    return v
+
+
+def _seconds(positive: bool):
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number of seconds, got '{text}'")
+        if not math.isfinite(v) or v < 0 or (positive and v == 0):
+            raise argparse.ArgumentTypeError(
+                f"must be a finite number of seconds {'> 0' if positive else '>= 0'}, got '{text}'")
+        return v
+    return parse
+
+
+def _shard(text: str):
+    """i/N with 0 <= i < N <= 2^31 - 1."""
+    try:
+        i, n = (int(p) for p in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be i/N, e.g. 0/4, got '{text}'")
+    if not (0 <= i < n <= _INT_MAX):
+        raise argparse.ArgumentTypeError(f"must be i/N with 0 <= i < N <= {_INT_MAX}, got '{text}'")
+    return i, n
+
+
 def _add_sweep_args(p, timing: bool) -> None:
     p.add_argument("op", help="an op name, or 'all'")
     p.add_argument("--backend", action="append", default=[], help="repeat for several; default all")
     p.add_argument("--dtype", action="append", default=[], choices=sorted(DTYPES))
-    p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--case-timeout", type=float, default=120.0, help="seconds before a case counts as hung")
-    p.add_argument("--time-cap", type=float, default=1.0 if timing else 0.0, help="seconds of timing per run")
+    p.add_argument("--seeds", type=_count, default=3, help="fresh inputs per case (>= 1)")
+    p.add_argument("--case-timeout", type=_seconds(positive=True), default=120.0,
+                   help="seconds before a case counts as hung (> 0)")
+    p.add_argument("--time-cap", type=_seconds(positive=False), default=1.0 if timing else 0.0,
+                   help="seconds of timing per run (>= 0)")
     _add_load_arg(p)
     p.add_argument("--db", default=None, help="store file (default: KERNELGATE_DB or the cache directory)")
-    p.add_argument("--shard", default="0/1", help="i/N: run every N-th case starting at i")
+    p.add_argument("--shard", type=_shard, default=(0, 1), help="i/N: run every N-th case starting at i")
     p.add_argument("--json", action="store_true")
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line (exit status 1), like every other error of the command."""
+
+    def error(self, message: str):
+        raise SystemExit(f"{self.prog}: {message}")
+
+
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="kernelgate", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(prog="kernelgate", description=__doc__,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("ops", help="ops, backends and their availability")
     _add_load_arg(p)
@@ -428,8 +473,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "db" and args.action != "path" and not args.file:
         parser.error(f"db {args.action} needs a FILE")
-    _load_plugins(getattr(args, "load", []))
-    return args.fn(args)
+    try:
+        _load_plugins(getattr(args, "load", []))
+        return args.fn(args)
+    except KeyboardInterrupt:
+        print(f"kernelgate {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except (RuntimeError, ValueError, TypeError, OSError) as exc:
+        if args.debug:
+            raise
+        # One line, as for every other error; --debug shows where it came from.
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"kernelgate {args.command}: {first}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
