@@ -300,7 +300,7 @@ def cmd_demo(args) -> int:
     """rms_norm forward and backward through kernelgate, and which backend served it and why."""
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     _check_device(device, "demo")
-    ours = "kernelgate_cuda" if device == "cuda" else "kernelgate_cpu"
+    ours = "kernelgate_cuda" if device.startswith("cuda") else "kernelgate_cpu"
     dtype = torch.bfloat16
     torch.manual_seed(0)
     rows, hidden = (4096, 4096) if device == "cuda" else (256, 1024)
@@ -467,7 +467,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.set_defaults(fn=cmd_doctor)
 
     p = sub.add_parser("demo", help="rms_norm forward+backward: which backend served it and why")
-    p.add_argument("--device", choices=["cpu", "cuda"], default=None)
+    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda where there is one)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_demo)
     args = parser.parse_args(argv)

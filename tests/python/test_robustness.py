@@ -1,0 +1,256 @@
+"""No silent wrong answers, no destroyed files, no hangs: each defect a hostile user found has a
+test here that failed before its fix (the CLI's error paths as a user meets them: exit status and
+one line, no traceback)."""
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernelgate as kg
+from kernelgate import cli
+
+
+def _cli(*args, env=None, timeout=120):
+    """Runs the kernelgate command in a fresh process (for what the environment decides at
+    import): (exit status, stdout, stderr)."""
+    full_env = dict(os.environ, **(env or {}))
+    p = subprocess.run([sys.executable, "-m", "kernelgate.cli", *args], capture_output=True, timeout=timeout,
+                       env=full_env)
+    return p.returncode, p.stdout.decode(errors="replace"), p.stderr.decode(errors="replace")
+
+
+def _run(capsys, *args):
+    """Runs the kernelgate command in this process, as a user meets it: (exit status, stdout,
+    stderr); a usage error exits with its one-line message."""
+    capsys.readouterr()
+    try:
+        rc = cli.main(list(args))
+    except SystemExit as exc:
+        rc = 0 if exc.code is None else (exc.code if isinstance(exc.code, int) else 1)
+        if not isinstance(exc.code, int) and exc.code is not None:
+            print(exc.code, file=sys.stderr)
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+# ---- double backward (item 2) ---------------------------------------------------------------------
+
+def _second_order(fn, inputs, seed=0):
+    """d/d(inputs) of sum(grad(fn(inputs), inputs, cot)^2): a second-order gradient."""
+    g = torch.Generator().manual_seed(seed)
+    leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
+    out = fn(*leaves)
+    outs = out if isinstance(out, tuple) else (out,)
+    cots = [torch.randn(o.shape, generator=g, dtype=o.dtype) for o in outs]
+    first = torch.autograd.grad(outs, leaves, cots, create_graph=True)
+    total = sum((f.double() ** 2).sum() for f in first)
+    return torch.autograd.grad(total, leaves, allow_unused=True)
+
+
+CASES = {
+    "rms_norm": (lambda x, w: kg.rms_norm(x, w, 1e-6),
+                 lambda x, w: F.rms_norm(x, (x.shape[-1],), w, 1e-6),
+                 lambda: (torch.randn(5, 16, dtype=torch.float64).float(), torch.randn(16))),
+    "layer_norm": (lambda x, w, b: kg.layer_norm(x, w, b, 1e-5),
+                   lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, b, 1e-5),
+                   lambda: (torch.randn(5, 16), torch.randn(16), torch.randn(16))),
+    "swiglu": (kg.swiglu, lambda g, u: F.silu(g) * u, lambda: (torch.randn(4, 8), torch.randn(4, 8))),
+    "geglu": (lambda g, u: kg.geglu(g, u, "none"), lambda g, u: F.gelu(g) * u,
+              lambda: (torch.randn(4, 8), torch.randn(4, 8))),
+    "cross_entropy": (lambda x: kg.cross_entropy(x, torch.tensor([1, 0, 3, 2]), label_smoothing=0.1),
+                      lambda x: F.cross_entropy(x, torch.tensor([1, 0, 3, 2]), label_smoothing=0.1),
+                      lambda: (torch.randn(4, 7),)),
+}
+
+
+@pytest.mark.parametrize("op", sorted(CASES))
+@pytest.mark.parametrize("backend", ["reference", "kernelgate_cpu"])
+def test_double_backward_matches_torch(op, backend):
+    ours, theirs, make = CASES[op]
+    names = {b["name"] for o in kg.ops() if o["name"] == op for b in o["backends"] if b["available"]}
+    if backend not in names:
+        backend = "reference"  # ops without a CPU kernel of ours: the reference serves
+    inputs = make()
+    with kg.use(force={op: backend}):
+        got = _second_order(ours, inputs)
+    want = _second_order(theirs, inputs)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+
+
+def _add_rms_norm():
+    x, r = torch.randn(3, 8, requires_grad=True), torch.randn(3, 8, requires_grad=True)
+    return kg.add_rms_norm(x, r), [x, r]
+
+
+def _rope():
+    q, k = torch.randn(1, 2, 3, 8, requires_grad=True), torch.randn(1, 1, 3, 8, requires_grad=True)
+    return kg.rope(q, k, torch.randn(1, 3, 8), torch.randn(1, 3, 8)), [q, k]
+
+
+def _linear_cross_entropy():
+    h, w = torch.randn(4, 8, requires_grad=True), torch.randn(5, 8, requires_grad=True)
+    return (kg.linear_cross_entropy(h, w, torch.tensor([0, 1, 2, 3])),), [h, w]
+
+
+@pytest.mark.parametrize("call", [_add_rms_norm, _rope, _linear_cross_entropy],
+                         ids=["add_rms_norm", "rope", "linear_cross_entropy"])
+def test_double_backward_that_cannot_be_served_says_so(call):
+    outs, leaves = call()
+    with pytest.raises(RuntimeError, match=r"double backward \(create_graph=True\) is not supported"):
+        torch.autograd.grad(sum(o.sum() for o in outs), leaves, create_graph=True)
+    # Without create_graph, the same call differentiates once as always.
+    outs, leaves = call()
+    assert all(g is not None for g in torch.autograd.grad(sum(o.sum() for o in outs), leaves))
+
+
+# ---- cross_entropy with a +inf logit (item 11) --------------------------------------------------------
+
+@pytest.mark.parametrize("reduction", ["none", "sum"])
+def test_inf_logit_away_from_the_target_is_an_inf_loss_as_documented(reduction):
+    x = torch.randn(3, 6)
+    x[0, 4] = float("inf")  # row 0's target is 1
+    t = torch.tensor([1, 2, 5])
+    ours = kg.cross_entropy(x, t, reduction=reduction)
+    oracle = torch.ops.kernelgate._cross_entropy_reference(x.double(), t, -100, 0.0, reduction)
+    assert torch.equal(torch.isinf(ours), torch.isinf(oracle)) and ours.flatten()[0] == float("inf")
+    assert torch.isnan(F.cross_entropy(x, t, reduction=reduction).flatten()[0])  # the documented difference
+    xl = x.clone().requires_grad_(True)
+    kg.cross_entropy(xl, t, reduction="sum").backward()
+    assert xl.grad[0, 1] == -1 and torch.isnan(xl.grad[0, 4]) and xl.grad[0, [0, 2, 3, 5]].eq(0).all()
+    # Everywhere else the same NaN / Inf as F.cross_entropy: a +inf at the target, a -inf.
+    for row, col in [(1, 2), (2, 0)]:
+        y = torch.randn(3, 6)
+        y[row, col] = float("inf") if col == 2 else float("-inf")
+        a, b = kg.cross_entropy(y, t, reduction="none"), F.cross_entropy(y, t, reduction="none")
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.isinf(), b.isinf())
+
+
+# ---- files and paths (items 1, 4, 10) --------------------------------------------------------------
+
+def test_db_export_never_replaces_what_the_path_is(tmp_path, capsys):
+    db = str(tmp_path / "s.sqlite")
+    assert cli.main(["validate", "rms_norm", "--db", db, "--dtype", "float32", "--seeds", "1",
+                     "--backend", "reference", "--json"]) == 0
+    fifo = str(tmp_path / "fifo")
+    os.mkfifo(fifo)
+    for target in [fifo, str(tmp_path), "/dev/null"]:
+        rc, _, err = _run(capsys, "db", "export", target, "--db", db)
+        assert rc == 1 and "export writes only a regular file or a new path" in err, err
+        assert len(err.strip().splitlines()) == 1
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode) and stat.S_ISCHR(os.stat("/dev/null").st_mode)
+    real = tmp_path / "real.json"
+    real.write_text("old")
+    link = tmp_path / "link.json"
+    link.symlink_to(real)
+    assert _run(capsys, "db", "export", str(link), "--db", db)[0] == 0
+    assert link.is_symlink() and json.loads(real.read_text())["format"] == "kernelgate-evidence"
+
+
+@pytest.mark.parametrize("what", ["fifo", "devnull", "empty", "tableless"])
+def test_a_store_path_that_is_no_store_is_refused_never_opened_or_taken_over(tmp_path, capsys, monkeypatch, what):
+    path = {"fifo": str(tmp_path / "fifo"), "devnull": "/dev/null", "empty": str(tmp_path / "e.sqlite"),
+            "tableless": str(tmp_path / "t.sqlite")}[what]
+    if what == "fifo":
+        os.mkfifo(path)
+    elif what == "empty":
+        open(path, "wb").close()
+    elif what == "tableless":
+        import sqlite3
+
+        con = sqlite3.connect(path)
+        con.execute("PRAGMA user_version = 3")
+        con.commit()
+        con.close()
+    before = None if what in ("fifo", "devnull") else open(path, "rb").read()
+    env = {"KERNELGATE_DB": path, "KERNELGATE_LOG": "warning"}
+    # An op call, doctor and a sweep all finish (a FIFO used to hang each of them).
+    code = "import torch, kernelgate as kg; print(kg.rms_norm(torch.randn(2, 4)).shape)"
+    p = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, **env), capture_output=True, timeout=60)
+    assert p.returncode == 0, p.stderr.decode()
+    monkeypatch.setenv("KERNELGATE_DB", path)
+    rc, out, _ = _run(capsys, "doctor")
+    assert rc == 0 and "not usable" in out, out
+    rc, _, err = _run(capsys, "validate", "rms_norm", "--backend", "reference", "--dtype", "float32", "--seeds", "1")
+    assert rc == 1 and len(err.strip().splitlines()) == 1, err
+    if before is not None:
+        assert open(path, "rb").read() == before
+    assert not os.path.exists("/dev/null-journal") and not os.path.exists(path + "-journal")
+
+
+# ---- the environment (item 5) --------------------------------------------------------------------------
+
+def test_switches_with_any_bytes_never_raise():
+    env = dict(os.environ)
+    env_b = {k.encode(): v.encode() for k, v in env.items()}
+    env_b[b"KERNELGATE_DB"] = os.path.join(tempfile.mkdtemp(), "\udcff").encode("utf-8", "surrogateescape")
+    env_b[b"KERNELGATE_FORCE"] = b"rms_norm=\xff\xfe"
+    env_b[b"KERNELGATE_EXCLUDE"] = b"reference"
+    code = ("import logging, torch, kernelgate as kg\n"
+            "logging.basicConfig(level=logging.WARNING)\n"
+            "print(kg.rms_norm(torch.randn(2, 4)).shape)\n")
+    p = subprocess.run([sys.executable, "-c", code], env=env_b, capture_output=True, timeout=60)
+    err = p.stderr.decode(errors="replace")
+    assert p.returncode == 0, err
+    assert "Exception ignored" not in err and "Traceback" not in err, err
+    assert "KERNELGATE_FORCE" in err and "\\xff" in err  # one warning, the bytes shown
+    assert "the reference cannot be excluded" in err
+
+
+# ---- the command line (items 6, 9) ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("args,message", [
+    (["--seeds", "0"], "--seeds: must be between 1 and 2147483647"),
+    (["--seeds", "-3"], "--seeds: must be between 1"),
+    (["--seeds", str(2**31)], "--seeds: must be between 1"),
+    (["--case-timeout", "0"], "--case-timeout: must be a finite number of seconds > 0"),
+    (["--case-timeout", "nan"], "--case-timeout: must be a finite"),
+    (["--case-timeout", "inf"], "--case-timeout: must be a finite"),
+    (["--time-cap", "-1"], "--time-cap: must be a finite number of seconds >= 0"),
+    (["--shard", "2/2"], "--shard: must be i/N with 0 <= i < N"),
+    (["--shard", f"0/{2**31}"], "--shard: must be i/N with 0 <= i < N"),
+])
+def test_numeric_arguments_are_checked_and_nothing_is_stored(tmp_path, capsys, args, message):
+    db = str(tmp_path / "x.sqlite")
+    rc, _, err = _run(capsys, "validate", "rms_norm", "--db", db, *args)
+    assert rc == 1 and message in err and len(err.strip().splitlines()) == 1, err
+    assert not os.path.exists(db)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["cross_entropy", "--shape", "logits=8x100"], None),
+    (["linear_cross_entropy", "--shape", "hidden=8x64", "--shape", "weight=100x64", "--grad"], None),
+    (["rms_norm", "--shape", "x=100000000000x4096"], None),  # meta tensors: nothing allocated
+    (["rms_norm", "--shape", "x="], "invalid call: rms_norm: x must have at least 1 dim, got 0"),
+    (["rms_norm", "--shape", "x=8x0"], "invalid call: rms_norm: x.size(-1) (hidden) must be at least 1"),
+    (["rope", "--shape", "q=1x2x3x5", "--shape", "k=1x1x3x5", "--shape", "cos=1x3x5"],
+     "invalid call: rope: head_dim (q.size(-1)) must be a positive even number"),
+    (["rms_norm", "--shape", "x=8x64", "--shape", "weight=65"], "invalid call: rms_norm: weight.size(-1) must be 64"),
+    (["rms_norm", "--shape", "x=-1x4"], "--shape x: every dim must be in [0, 2^62)"),
+    (["rms_norm", "--shape", "x=8xq"], "dims must be integers"),
+])
+def test_explain_answers_without_tracebacks(capsys, args, message):
+    rc, out, err = _run(capsys, "explain", *args, "--device", "cpu")
+    text = out + err
+    assert "Traceback" not in text, text
+    if message is None:
+        assert rc == 0 and "->" in out, text
+    else:
+        assert rc == 1 and message in text, text
+
+
+def test_cuda_device_requested_where_there_is_none(capsys):
+    if torch.cuda.is_available():  # on a GPU machine: a device it does not have
+        device, message = f"cuda:{torch.cuda.device_count()}", "CUDA device(s)"
+    else:
+        device, message = "cuda", "no CUDA device is visible here"
+    for cmd in (["explain", "rms_norm", "--shape", "x=8x64", "--device", device], ["demo", "--device", device]):
+        rc, _, err = _run(capsys, *cmd)
+        assert rc == 1 and message in err and "Traceback" not in err, err
