@@ -394,7 +394,8 @@ def _add_sweep_args(p, timing: bool) -> None:
     p.add_argument("op", help="an op name, or 'all'")
     p.add_argument("--backend", action="append", default=[], help="repeat for several; default all")
     p.add_argument("--dtype", action="append", default=[], choices=sorted(DTYPES))
-    p.add_argument("--seeds", type=_count, default=3, help="fresh inputs per case (>= 1)")
+    p.add_argument("--seeds", type=_count, default=1,
+                   help="fresh inputs per case and value regime (>= 1; every case is tried in every regime)")
     p.add_argument("--case-timeout", type=_seconds(positive=True), default=120.0,
                    help="seconds before a case counts as hung (> 0)")
     p.add_argument("--time-cap", type=_seconds(positive=False), default=1.0 if timing else 0.0,

@@ -329,21 +329,25 @@ std::vector<Case> make_cases(const std::string& op, Grid grid,
   std::map<std::string, double> default_scalars;
   for (const auto& [name, values] : c.scalar_test_values) default_scalars[name] = values.front();
   std::vector<Case> out;
-  std::set<std::string> emitted;  // the rotation can land on a case listed on its own
-  // Seeds of a default case also rotate the value regime and the scalar values, so that every
-  // region's evidence includes values where eps matters and special values, not only N(0, 1).
-  static const char* kRotation[] = {"normal", "small", "special", "large", "offset"};
+  std::set<std::string> emitted;
+  // Every group of cases the dispatcher tells apart (each shape, dtype, layout, grad mode,
+  // optional and variant) is tried in every value regime, so that every region's evidence holds
+  // values where eps matters, special values, large and offset ones, not only N(0, 1): a backend
+  // wrong in one regime can be ranked nowhere. A case with the contract's default scalars takes
+  // another of their test values in each regime; seeds draw fresh inputs for each.
+  static const char* kRegimes[] = {"normal", "small", "special", "large", "offset"};
+  constexpr size_t kNumRegimes = sizeof(kRegimes) / sizeof(kRegimes[0]);
   auto emit = [&](const Case& k) {
-    for (int s = 0; s < seeds; ++s) {
-      Case v = k;
-      v.seed = s;
-      if (k.regime == "normal" && k.layout == "contiguous" && k.scalars == default_scalars) {
-        v.regime = kRotation[s % 5];
-        for (const auto& [name, values] : c.scalar_test_values) {
-          v.scalars[name] = values[s % values.size()];
+    for (size_t r = 0; r < kNumRegimes; ++r) {
+      for (int s = 0; s < seeds; ++s) {
+        Case v = k;
+        v.seed = s;
+        v.regime = kRegimes[r];
+        if (k.scalars == default_scalars) {
+          for (const auto& [name, values] : c.scalar_test_values) v.scalars[name] = values[r % values.size()];
         }
+        if (emitted.insert(v.id() + "/" + std::to_string(s)).second) out.push_back(v);
       }
-      if (emitted.insert(v.id() + "/" + std::to_string(s)).second) out.push_back(v);
     }
   };
   for (const auto& dt : dtypes) {
@@ -364,25 +368,18 @@ std::vector<Case> make_cases(const std::string& op, Grid grid,
     k.dims = fit(small_base);
     k.dtype = dt;
     k.scalars = default_scalars;
-    const bool smoke = grid == Grid::kSmoke;
+    const bool smoke = grid == Grid::kSmoke;  // one layout
     for (const char* layout : {"row_strided", "offset", "transposed", "expanded"}) {
       if (smoke && std::string(layout) != "row_strided") continue;
       Case l = k;
       l.layout = layout;
       emit(l);
     }
-    for (const char* regime : {"large", "small", "offset", "special"}) {
-      if (smoke && std::string(regime) != "special") continue;
-      Case r = k;
-      r.regime = regime;
-      emit(r);
-    }
+    // Test values the regimes' rotation does not reach.
     for (const auto& [name, values] : c.scalar_test_values) {
-      for (double v : values) {
-        if (smoke && v != values.back()) continue;
+      for (size_t i = kNumRegimes; i < values.size(); ++i) {
         Case s = k;
-        s.scalars[name] = v;
-        s.regime = "small";  // where eps matters
+        s.scalars[name] = values[i];
         emit(s);
       }
     }

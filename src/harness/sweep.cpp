@@ -237,9 +237,10 @@ SweepReport sweep(const SweepOptions& o) {
       m = from_outcome(ready);
       m.reason = "worker did not start: " + m.reason;
     } else {
-      // Seeds repeat a case with fresh values: each is validated, and the first is timed (the
-      // values do not change the time; the sweep spends its time on more cases instead).
-      const bool time_this = o.time && c->seed == 0;
+      // Seeds and value regimes repeat a case with other values: each is validated, and one (the
+      // first seed of N(0, 1) values) is timed; the values do not change the time, and the sweep
+      // spends its time on more cases instead.
+      const bool time_this = o.time && c->seed == 0 && c->regime == "normal";
       std::string line = encode_fields({{"backend", backend},
                                         {"time", time_this ? "1" : "0"},
                                         {"cap", std::to_string(o.time_cap_s)},

@@ -184,10 +184,18 @@ Tensor values(std::vector<int64_t> shape, const std::string& regime, uint64_t se
   if (regime == "large") v = v * 5e3;
   if (regime == "small") v = v * 1e-4;
   if (regime == "offset") v = v * 0.01 + 3.0;
-  if (regime == "special" && v.dim() == 2 && v.size(0) >= 3 && v.size(1) >= 2) {
-    v[0][0] = std::nan("");
-    v[1][1] = INFINITY;
-    v[2].zero_();
+  // Special values in every shape that has an element: a NaN in the first row, an Inf in the
+  // second (or at the end of the first), an all-zero third row.
+  if (regime == "special" && v.numel() > 0) {
+    const int64_t last = v.size(-1), rows = v.numel() / last;
+    Tensor m = v.view({rows, last});
+    m[0][0] = std::nan("");
+    if (rows >= 2) {
+      m[1][std::min<int64_t>(1, last - 1)] = INFINITY;
+    } else if (last >= 2) {
+      m[0][last - 1] = INFINITY;
+    }
+    if (rows >= 3) m[2].zero_();
   }
   return v;
 }
@@ -237,8 +245,25 @@ std::pair<Inputs, Inputs> make_inputs(const OpContract& c, const Case& k, at::De
       oracle.args.push_back(idx);
       continue;
     }
+    // The values are those of the call (the regime's pattern where the op sees it), placed in a
+    // leaf of the layout.
+    auto leaf_of = [&](const Tensor& logical) -> Tensor {
+      if (layout == "row_strided") {
+        Tensor l = seeded_randn(leaf_shape, seed + 1, device);
+        l.narrow(1, 0, full[1]).copy_(logical);
+        return l;
+      }
+      if (layout == "offset") {
+        Tensor l = seeded_randn(leaf_shape, seed + 1, device);
+        l.narrow(0, 1, logical.numel()).copy_(logical.reshape(-1));
+        return l;
+      }
+      if (layout == "transposed") return logical.t().contiguous();
+      if (layout == "expanded") return logical.narrow(0, 0, 1).clone();
+      return logical;
+    };
     Tensor leaf = with_values
-                      ? values(leaf_shape, a == 0 ? k.regime : "normal", seed, device).to(dtype)
+                      ? leaf_of(values(full, a == 0 ? k.regime : "normal", seed, device)).to(dtype)
                       : at::empty(leaf_shape, at::TensorOptions().device(device).dtype(dtype));
     leaf = leaf.detach().requires_grad_(k.grad);
     Tensor leaf64 = with_values ? leaf.detach().to(at::kDouble).requires_grad_(k.grad) : Tensor();

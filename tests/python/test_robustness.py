@@ -254,3 +254,74 @@ def test_cuda_device_requested_where_there_is_none(capsys):
     for cmd in (["explain", "rms_norm", "--shape", "x=8x64", "--device", device], ["demo", "--device", device]):
         rc, _, err = _run(capsys, *cmd)
         assert rc == 1 and message in err and "Traceback" not in err, err
+
+
+# ---- every region sees every value regime (item 3) ------------------------------------------------
+
+REGIMES = {"normal", "small", "special", "large", "offset"}
+
+
+def _fields(encoded):
+    """A case's fields (the worker protocol: key=value;..., values percent-escaped)."""
+    from urllib.parse import unquote
+
+    return {k: unquote(v) for k, v in (f.split("=", 1) for f in encoded.split(";"))}
+
+
+@pytest.mark.parametrize("grid", ["smoke", "quick"])
+def test_every_group_of_cases_is_tried_in_every_regime(grid):
+    from kernelgate import _C
+
+    for info in kg.ops():
+        groups, seen = {}, {name: set() for name in info["scalar_test_values"]}
+        for _, encoded in _C.make_cases(info["name"], grid, [], 1, 1 << 20):
+            f = _fields(encoded)
+            key = (f["dims"], f["dtype"], f["layout"], f["strings"], f["optional"], f["grad"])
+            groups.setdefault(key, set()).add(f["regime"])
+            for pair in filter(None, f["scalars"].split(",")):
+                name, value = pair.split("=")
+                seen[name].add(float(value))
+        assert groups
+        for key, regimes in groups.items():
+            assert regimes == REGIMES, (info["name"], grid, key, regimes)
+        # Every test value of every scalar argument is tried.
+        for name, values in info["scalar_test_values"].items():
+            assert set(values) <= seen[name], (info["name"], name, values, seen[name])
+
+
+@pytest.fixture(scope="module")
+def faulty_policy(tmp_path_factory):
+    """A smoke sweep of the faulty test backends that answer (no crash, no hang): the policy it gives."""
+    from test_evidence import plugin_path
+
+    db = str(tmp_path_factory.mktemp("faulty") / "f.sqlite")
+    backends = ["reference", "faulty_ignores_eps", "faulty_nan_to_zero", "faulty_stale_buffer",
+                "faulty_skips_last_row", "faulty_partial_write", "faulty_assumes_contiguous"]
+    args = ["bench", "run", "rms_norm", "--grid", "smoke", "--time-cap", "0.01", "--dtype", "float32",
+            "--seeds", "1", "--load", plugin_path(), "--db", db, "--json"]
+    for b in backends:
+        args += ["--backend", b]
+    assert cli.main(args) == 0
+    from kernelgate import _C
+
+    return _C.policy_regions("rms_norm", db, [])["regions"]
+
+
+def test_faulty_backends_are_ranked_in_no_region_they_are_wrong_in(faulty_policy):
+    """Each faulty backend is wrong on every input of some kind; it must be ranked in no region
+    that holds such an input (every region holds every regime)."""
+    assert faulty_policy
+    for region in faulty_policy:
+        key = region["region"]
+        rows_zero = "rows=0" in key
+        ranked = set(region["ranked"])
+        assert "reference" in ranked or rows_zero, region
+        if rows_zero:
+            continue  # nothing to compute: every backend is right
+        wrong_everywhere = {"faulty_ignores_eps", "faulty_nan_to_zero", "faulty_stale_buffer",
+                            "faulty_skips_last_row"}
+        if "hidden<=2^0" not in key:
+            wrong_everywhere.add("faulty_partial_write")  # it skips the second half of each row
+        if " strided " in key:
+            wrong_everywhere.add("faulty_assumes_contiguous")
+        assert not ranked & wrong_everywhere, (key, ranked & wrong_everywhere)
