@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import kernelgate as kg
-from kernelgate.testing import _metrics, assert_cuda_graph_replays, check_against_oracle, poison_cuda_allocator
+from kernelgate.testing import assert_cuda_graph_replays, check_against_oracle, oracle_metrics, poison_cuda_allocator
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 OPS = ["rope", "qk_norm_rope"]
@@ -137,7 +137,9 @@ def assert_reference_accurate(name, ref, oracle, dtype):
     reference would pass it: this is what makes the reference backend's tests able to fail."""
     o = oracle.detach().double().cpu()
     finite = o.isfinite()
-    l2, mx = _metrics(ref.detach().cpu(), o, finite)
+    m = oracle_metrics(name, ref.cpu(), ref.cpu(), o, dtype)  # the reference's own error
+    assert not m["failure"], m["failure"]  # its NaN / Inf pattern is the oracle's
+    l2, mx = m["rel_l2"], m["max_over_rms"]
     if o[finite].numel() == 0 or o[finite].abs().max() == 0:
         return
     of = o[finite]
