@@ -519,13 +519,11 @@ def test_gpu_leading_dims(op, backend):
     check_leading_dims(op, backend, "cuda")
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("op,backend", GPU_PAIRS)
-def test_gpu_cuda_graph_capture_and_replay(op, backend):
-    """Forward and backward captured once, replayed on refilled inputs, equal to eager each time."""
-    require_available(op, backend)
-    for cid, enc in served_cases(op, backend, "cuda", cases(op, dtype="bfloat16", regime="normal", grad="1")):
-        args, leaves = call_args(enc, "cuda")
+def check_cuda_graph(op, backend, device, replays=assert_cuda_graph_replays):
+    """Forward and backward captured once, replayed on refilled inputs and cotangents, equal to
+    eager each time (bfloat16, every normal-valued smoke case the backend serves)."""
+    for cid, enc in served_cases(op, backend, device, cases(op, dtype="bfloat16", regime="normal", grad="1")):
+        args, leaves = call_args(enc, device)
         with kg.use(force={op: backend}):
             cots = cotangents(as_list(op_fn(op)(*args)))
 
@@ -537,7 +535,14 @@ def test_gpu_cuda_graph_capture_and_replay(op, backend):
                 for t in leaves + cots:
                     t.copy_(torch.randn_like(t))
 
-            assert_cuda_graph_replays(step, refill)
+            replays(step, refill)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op,backend", GPU_PAIRS)
+def test_gpu_cuda_graph_capture_and_replay(op, backend):
+    require_available(op, backend)
+    check_cuda_graph(op, backend, "cuda")
 
 
 # ---- end to end on the CPU: a Python backend of a Python-defined op --------------------------------
@@ -562,9 +567,9 @@ def test_python_backend_end_to_end(tmp_path, capsys, monkeypatch):
     regions = run_cli(capsys, "policy", "show", "softcap", "--db", db, "--load", module)["softcap"]["regions"]
     assert regions and all(r["ranked"] == ["py_softcap"] for r in regions), regions
     assert all(s["failures"] == {} for r in regions for s in r["standings"]), regions
-    x, bias = torch.randn(200, 200), torch.randn(200)  # the smoke grid's mid-size region, no grad
-    region = "softcap cpu float32,float32 rows<=2^8 hidden<=2^8 vec16 nograd"
-    assert region in [r["region"] for r in regions], [r["region"] for r in regions]
+    # A call in the smoke grid's mid-size region (rows, hidden <= 2^8, no grad), on the device the
+    # sweep ran on.
+    x, bias = torch.randn(200, 200, device=RUN_DEVICE), torch.randn(200, device=RUN_DEVICE)
     monkeypatch.setenv("KERNELGATE_DB", db)
     try:
         kg.evidence.install()
@@ -572,9 +577,9 @@ def test_python_backend_end_to_end(tmp_path, capsys, monkeypatch):
         y = kg.softcap(x, bias)
         assert pyops_example.CALLS["py_softcap"] == calls + 1  # py_softcap computed it
         torch.testing.assert_close(y, pyops_example.softcap_reference(x, bias, 30.0))
-        e = run_cli(capsys, "explain", "softcap", "--shape", "x=200x200", "--dtype", "float32", "--device", "cpu",
-                    "--load", module)
-        assert e["key"] == region and e["backend"] == "py_softcap", e
+        e = run_cli(capsys, "explain", "softcap", "--shape", "x=200x200", "--dtype", "float32", "--device",
+                    RUN_DEVICE, "--load", module)
+        assert e["key"] in [r["region"] for r in regions] and e["backend"] == "py_softcap", e
         assert "ranked first by policy" in e["reason"] and db in e["reason"], e["reason"]
     finally:
         monkeypatch.undo()
