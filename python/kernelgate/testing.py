@@ -6,7 +6,8 @@ The oracle is the op's reference evaluated in float64 on upcast inputs (for rms_
 Tolerance rule (derived, not hand-set; stated once, in C++: harness::check_against_oracle, which
 the sweeps use too). For each output and each gradient, with `o` the oracle, `r` the reference
 backend's result at the tested dtype and `g` the backend's:
-  * NaN and Inf must sit at the same places as in `o` (with the same sign for Inf);
+  * NaN and Inf must sit at the same places as in `o` (with the same sign for Inf; an Inf where
+    `o` is past the range of the output's dtype, as any result of that dtype holds it);
   * on the finite elements, both metrics
         rel_l2(g)  = ||g - o||_2 / ||o||_2
         max_rms(g) = max|g - o| / rms(o)

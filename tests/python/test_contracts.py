@@ -48,11 +48,7 @@ GRID = {"small": ("quick", 1 << 14), "gpu": ("quick", 1 << 24)}
 # included: a limitation of the harness's cases, not of a backend. Such a test ends as xfailed,
 # naming the cases, once every other case has passed; a listed case that passes fails the test,
 # so the entry goes when the harness is fixed.
-KNOWN_INCORRECT = {
-    ("linear_cross_entropy", "float16", "large"):
-        "the harness's 'large' regime (x 5e3) makes float16 logits overflow (|hidden @ weight.T| ~ 8e4 > "
-        "65504): the reference itself returns an Inf loss where the float64 oracle's is finite",
-}
+KNOWN_INCORRECT: dict = {}
 
 # Backends that serve only calls that need no gradient on a device, and what their can_implement
 # says for one that does (test_forward_only_backends_say_why): the gradient checks leave them out.
