@@ -193,6 +193,9 @@ class Store {
                   const std::string& backend, const std::string& case_id) const;
   // Rows of this fingerprint only, in insertion order; op "" means every op.
   std::vector<Result> results(const std::string& fingerprint_id, const std::string& op = "") const;
+  // How many rows of this fingerprint each (op, backend) has.
+  std::map<std::pair<std::string, std::string>, int64_t> result_counts(
+      const std::string& fingerprint_id) const;
   std::optional<Fingerprint> fingerprint(const std::string& fingerprint_id) const;
   StaleReport stale(const Fingerprint& current) const;
 
