@@ -6,6 +6,7 @@
 #include <set>
 #include <torch/csrc/utils/pybind.h>
 
+#include "harness/evidence.h"
 #include "harness/harness.h"
 #include "harness/sweep.h"
 #include "kernelgate/kernelgate.h"

@@ -2,7 +2,7 @@
 // ties within noise, fail-closed, and the shipped-evidence rule.
 #include <gtest/gtest.h>
 
-#include "harness/sweep.h"
+#include "harness/evidence.h"
 
 namespace kernelgate::harness {
 namespace {
