@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <iterator>
 #include <set>
 #include <stdexcept>
 
@@ -97,6 +98,173 @@ store::Fingerprint current_fingerprint(const std::string& op) {
   return f;
 }
 
+const store::Fingerprint& OpFingerprints::of(const std::string& backend) const {
+  auto it = backends.find(backend);
+  return it == backends.end() ? op : it->second;
+}
+
+std::map<std::string, OpFingerprints> current_fingerprints(const std::string& only) {
+  Dispatcher& d = Dispatcher::get();
+  std::map<std::string, OpFingerprints> out;
+  for (const auto& name : d.op_names()) {
+    if (!only.empty() && name != only) continue;
+    OpFingerprints& f = out[name];
+    f.op = current_fingerprint(name);
+    for (const auto& b : d.find_op(name)->backends) f.backends[b.name] = f.op;
+  }
+  return out;
+}
+
+bool shipped_evidence_applies(const store::Fingerprint& stored, const store::Fingerprint& current) {
+  store::Fingerprint a = stored, b = current;
+  a.driver = b.driver = "";
+  a.memory_bytes = b.memory_bytes = 0;
+  return a.id() == b.id();
+}
+
+// ---- usable evidence ---------------------------------------------------------------------------
+
+namespace {
+
+// An unsupported row says the backend cannot implement the region's calls: it places the backend
+// in no region and is no evidence for the region either.
+bool speaks_for_region(const store::Result& r) {
+  return r.disposition != store::Disposition::kUnsupported;
+}
+
+// Rows of `op` in `s` that may serve this process: each row's stored fingerprint is its
+// backend's current one or, for shipped evidence, one the shipped rule admits for it.
+std::vector<store::Result> usable_rows(const store::Store& s, bool shipped, const std::string& op,
+                                       const OpFingerprints& current) {
+  auto admits = [&](const store::Fingerprint& stored, const store::Fingerprint& now) {
+    return shipped ? shipped_evidence_applies(stored, now) : stored.id() == now.id();
+  };
+  // The stored fingerprints worth reading: the current ones and, for shipped evidence, every
+  // other stored one (the rule admits some of them).
+  std::map<std::string, store::Fingerprint> stored;  // id -> fields
+  stored.emplace(current.op.id(), current.op);
+  for (const auto& [b, f] : current.backends) stored.emplace(f.id(), f);
+  if (shipped) {
+    for (auto& st : s.stale(current.op).stale) stored.emplace(st.id, std::move(st.fingerprint));
+  }
+  std::vector<store::Result> rows;
+  for (const auto& [id, f] : stored) {
+    const bool for_some = admits(f, current.op) ||
+                          std::any_of(current.backends.begin(), current.backends.end(),
+                                      [&](const auto& b) { return admits(f, b.second); });
+    if (!for_some) continue;
+    std::map<std::string, bool> admitted;  // backend -> whether its rows under `f` may serve
+    for (auto& r : s.results(id, op)) {
+      auto it = admitted.find(r.backend);
+      if (it == admitted.end()) {
+        it = admitted.emplace(r.backend, admits(f, current.of(r.backend))).first;
+      }
+      if (it->second) rows.push_back(std::move(r));
+    }
+  }
+  return rows;
+}
+
+}  // namespace
+
+UsableEvidence usable_evidence(const std::string& user_db,
+                               const std::vector<std::string>& shipped_dbs,
+                               const std::map<std::string, OpFingerprints>& fingerprints) {
+  UsableEvidence out;
+  auto read = [&](const store::Store& s, bool shipped) {
+    std::vector<store::Result> rows;
+    for (const auto& [op, fps] : fingerprints) {
+      auto more = usable_rows(s, shipped, op, fps);
+      rows.insert(rows.end(), std::make_move_iterator(more.begin()),
+                  std::make_move_iterator(more.end()));
+    }
+    return rows;
+  };
+  std::set<std::string> covered;  // regions the user's own evidence speaks for
+  if (auto user = store::Store::open(user_db, store::Mode::kReadOnly); !user) {
+    out.problems.push_back("store not used: " + user.problem);
+  } else {
+    try {
+      EvidenceSet set{false, "evidence in " + user_db, read(*user.store, false)};
+      for (const auto& r : set.rows) {
+        if (speaks_for_region(r)) covered.insert(r.region);
+      }
+      out.notes.push_back("store " + user_db + ": " + std::to_string(set.rows.size()) +
+                          " rows for this fingerprint");
+      out.sets.push_back(std::move(set));
+    } catch (const std::exception& ex) {
+      out.problems.push_back(std::string("store not used: ") + ex.what());
+    }
+  }
+  // Shipped evidence serves the regions the user's store says nothing about.
+  EvidenceSet shipped{true, "evidence shipped with kernelgate", {}};
+  for (const auto& path : shipped_dbs) {
+    auto s = store::Store::open(path, store::Mode::kReadOnly);
+    if (!s) {
+      out.problems.push_back("shipped evidence not used: " + s.problem);
+      continue;
+    }
+    try {
+      size_t used = 0;
+      for (auto& r : read(*s.store, true)) {
+        if (covered.count(r.region)) continue;
+        shipped.rows.push_back(std::move(r));
+        ++used;
+      }
+      out.notes.push_back("shipped evidence " + path + ": " + std::to_string(used) + " rows apply");
+    } catch (const std::exception& ex) {
+      out.problems.push_back(std::string("shipped evidence not used: ") + ex.what());
+    }
+  }
+  if (!shipped.rows.empty()) out.sets.push_back(std::move(shipped));
+  return out;
+}
+
+StoreStanding store_standing(const store::Store& s,
+                             const std::map<std::string, OpFingerprints>& fingerprints) {
+  // No process has the empty fingerprint, so stale() of it lists every stored one; should a
+  // store hold rows under it anyway, they are listed too.
+  store::StaleReport stored = s.stale(store::Fingerprint{});
+  if (stored.current_results > 0) {
+    stored.stale.push_back(
+        {stored.current_id, store::Fingerprint{}, 0, stored.current_results, {}});
+  }
+  StoreStanding out;
+  for (auto& st : stored.stale) {
+    st.results = 0;
+    st.differences.clear();
+    // Stale rows are explained against their (op, backend)'s current fingerprint (an op this
+    // process does not have: against every op's); the fewest differences explain the fingerprint.
+    std::optional<std::vector<std::string>> why;
+    auto explain = [&](const store::Fingerprint& now) {
+      auto d = st.fingerprint.differences(now);
+      // Equal fields under another id: written under another id scheme.
+      if (d.empty()) d.push_back("id: stored " + st.id + ", current " + now.id());
+      if (!why || d.size() < why->size()) why = std::move(d);
+    };
+    for (const auto& [key, n] : s.result_counts(st.id)) {
+      const auto& [op, backend] = key;
+      auto it = fingerprints.find(op);
+      if (it != fingerprints.end() && it->second.of(backend).id() == st.id) {
+        out.current_results += n;
+        continue;
+      }
+      st.results += n;
+      if (it != fingerprints.end()) {
+        explain(it->second.of(backend));
+      } else {
+        for (const auto& [other, fps] : fingerprints) explain(fps.op);
+      }
+    }
+    if (st.results == 0) continue;
+    if (why) st.differences = std::move(*why);
+    out.stale.push_back(std::move(st));
+  }
+  std::sort(out.stale.begin(), out.stale.end(),
+            [](const auto& a, const auto& b) { return a.id < b.id; });
+  return out;
+}
+
 // ---- policy ------------------------------------------------------------------------------------
 
 namespace {
@@ -121,7 +289,7 @@ std::vector<RegionPolicy> derive_policy(const std::vector<store::Result>& rows) 
   std::map<std::string, std::string> region_op;
   std::map<std::string, std::map<std::string, std::vector<const store::Result*>>> by;
   for (const auto& r : rows) {
-    if (r.disposition == store::Disposition::kUnsupported) continue;  // not in this region at all
+    if (!speaks_for_region(r)) continue;
     by[r.region][r.backend].push_back(&r);
     region_op[r.region] = r.op;
   }
@@ -212,10 +380,27 @@ std::vector<RegionPolicy> derive_policy(const std::vector<store::Result>& rows) 
   return out;
 }
 
-EvidencePolicy::EvidencePolicy(std::vector<RegionPolicy> regions, std::string provenance)
-    : provenance_(std::move(provenance)) {
-  for (auto& r : regions) {
-    if (!r.ranked.empty()) by_region_[r.region] = std::move(r.ranked);
+std::vector<RegionPolicy> derive_policy(const UsableEvidence& evidence) {
+  std::vector<RegionPolicy> out;
+  for (const auto& set : evidence.sets) {
+    for (auto& r : derive_policy(set.rows)) {
+      r.evidence = set.provenance;
+      out.push_back(std::move(r));
+    }
+  }
+  return out;
+}
+
+EvidencePolicy::EvidencePolicy(const UsableEvidence& evidence) {
+  std::map<std::string, int> regions;  // provenance -> regions it ranks backends in
+  for (auto& r : derive_policy(evidence)) {
+    if (r.ranked.empty()) continue;
+    ++regions[r.evidence];
+    by_region_[r.region] = {std::move(r.ranked), std::move(r.evidence)};
+  }
+  for (const auto& set : evidence.sets) {
+    description_ += (description_.empty() ? "" : "; ") + set.provenance + " (" +
+                    std::to_string(regions[set.provenance]) + " regions)";
   }
 }
 
@@ -223,61 +408,11 @@ std::vector<std::string> EvidencePolicy::ranked(const std::string&, const Dispat
                                                 std::string* evidence) const {
   auto it = by_region_.find(describe_key(key));
   if (it == by_region_.end()) return {};
-  if (evidence) *evidence = provenance_;
-  return it->second;
+  if (evidence) *evidence = it->second.evidence;
+  return it->second.ranked;
 }
 
-std::string EvidencePolicy::describe() const {
-  return provenance_ + " (" + std::to_string(by_region_.size()) + " regions)";
-}
-
-bool shipped_evidence_applies(const store::Fingerprint& stored, const store::Fingerprint& current) {
-  store::Fingerprint a = stored, b = current;
-  a.driver = b.driver = "";
-  a.memory_bytes = b.memory_bytes = 0;
-  return a.id() == b.id();
-}
-
-namespace {
-
-std::vector<store::Result> rows_of(const store::Store& s, bool shipped, const std::string& op,
-                                   const store::Fingerprint& current) {
-  std::vector<std::string> ids{current.id()};
-  if (shipped) {
-    for (const auto& st : s.stale(current).stale) {
-      if (shipped_evidence_applies(st.fingerprint, current)) ids.push_back(st.id);
-    }
-  }
-  std::vector<store::Result> rows;
-  for (const auto& id : ids) {
-    auto more = s.results(id, op);
-    rows.insert(rows.end(), more.begin(), more.end());
-  }
-  return rows;
-}
-
-}  // namespace
-
-std::map<std::string, store::Fingerprint> current_fingerprints() {
-  std::map<std::string, store::Fingerprint> out;
-  for (const auto& name : Dispatcher::get().op_names()) out[name] = current_fingerprint(name);
-  return out;
-}
-
-std::vector<store::Result> usable_rows(const store::Store& s, bool shipped,
-                                       const std::map<std::string, store::Fingerprint>& fingerprints) {
-  std::vector<store::Result> rows;
-  for (const auto& [op, fp] : fingerprints) {
-    auto more = rows_of(s, shipped, op, fp);
-    rows.insert(rows.end(), more.begin(), more.end());
-  }
-  return rows;
-}
-
-std::vector<store::Result> usable_rows(const store::Store& s, bool shipped, const std::string& op) {
-  if (op.empty()) return usable_rows(s, shipped, current_fingerprints());
-  return rows_of(s, shipped, op, current_fingerprint(op));
-}
+std::string EvidencePolicy::describe() const { return description_; }
 
 LazyEvidencePolicy::LazyEvidencePolicy(std::string user_db, std::vector<std::string> shipped_dbs)
     : user_db_(std::move(user_db)), shipped_(std::move(shipped_dbs)),
@@ -285,51 +420,18 @@ LazyEvidencePolicy::LazyEvidencePolicy(std::string user_db, std::vector<std::str
 
 void LazyEvidencePolicy::load() const {
   std::call_once(once_, [this] {
-    std::vector<std::string> notes;
-    auto opened = store::Store::open(user_db_, store::Mode::kReadOnly);
-    if (opened) {
-      try {
-        auto rows = usable_rows(*opened.store, /*shipped=*/false, fingerprints_);
-        user_ = std::make_unique<EvidencePolicy>(derive_policy(rows), "evidence in " + user_db_);
-        notes.push_back(user_->describe());
-      } catch (const std::exception& ex) {
-        notes.push_back(std::string("store not used: ") + ex.what());
-      }
-    } else {
-      notes.push_back("store not used: " + opened.problem);
-    }
-    std::vector<store::Result> shipped_rows;
-    for (const auto& path : shipped_) {
-      auto s = store::Store::open(path, store::Mode::kReadOnly);
-      if (!s) {
-        notes.push_back("shipped evidence not used: " + s.problem);
-        continue;
-      }
-      try {
-        auto rows = usable_rows(*s.store, /*shipped=*/true, fingerprints_);
-        shipped_rows.insert(shipped_rows.end(), rows.begin(), rows.end());
-      } catch (const std::exception& ex) {
-        notes.push_back(std::string("shipped evidence not used: ") + ex.what());
-      }
-    }
-    if (!shipped_rows.empty()) {
-      shipped_policy_ = std::make_unique<EvidencePolicy>(derive_policy(shipped_rows),
-                                                         "evidence shipped with kernelgate");
-      notes.push_back(shipped_policy_->describe());
-    }
-    for (const auto& n : notes) status_ += (status_.empty() ? "" : "; ") + n;
+    const UsableEvidence evidence = usable_evidence(user_db_, shipped_, fingerprints_);
+    policy_ = std::make_unique<EvidencePolicy>(evidence);
+    std::vector<std::string> parts = evidence.problems;
+    if (!policy_->describe().empty()) parts.push_back(policy_->describe());
+    for (const auto& p : parts) status_ += (status_.empty() ? "" : "; ") + p;
   });
 }
 
 std::vector<std::string> LazyEvidencePolicy::ranked(const std::string& op, const DispatchKey& key,
                                                     std::string* evidence) const {
   load();
-  if (user_) {
-    auto r = user_->ranked(op, key, evidence);
-    if (!r.empty()) return r;
-  }
-  if (shipped_policy_) return shipped_policy_->ranked(op, key, evidence);
-  return {};
+  return policy_->ranked(op, key, evidence);
 }
 
 std::string LazyEvidencePolicy::describe() const {

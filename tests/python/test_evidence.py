@@ -151,6 +151,46 @@ def test_shipped_evidence_serves_regions_the_user_store_lacks(faulty_db, tmp_pat
         kg.evidence.install()
 
 
+def _case_calls(op, dtypes):
+    """(args, grad) for every case of the smoke grid: calls in the regions a sweep measures."""
+    for _, encoded in _C.make_cases(op, "smoke", dtypes, 1):
+        args, _ = _C.case_arguments(encoded)
+        grad = "grad=1" in encoded.split(";")
+        if grad:
+            args = [a.requires_grad_(True) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                    for a in args]
+        yield args, grad
+
+
+def test_policy_show_and_explain_agree_on_user_and_shipped_evidence(faulty_db, tmp_path, capsys):
+    # One usable-evidence rule serves both: per region the user's evidence, else the shipped one.
+    user, _ = faulty_db  # float32 only
+    shipped = str(tmp_path / "shipped.sqlite")
+    run(capsys, "bench", "run", "rms_norm", "--grid", "smoke", "--time-cap", "0.01", "--backend", "reference",
+        "--backend", "kernelgate_cpu", *sweep_args(shipped), "--dtype", "bfloat16")
+    shown = run(capsys, "policy", "show", "rms_norm", "--db", user)  # the CLI names each region's evidence
+    assert {r["evidence"] for r in shown["rms_norm"]["regions"]} == {f"evidence in {user}"}
+    regions = {r["region"]: r for r in _C.policy_regions("rms_norm", user, [shipped])["regions"]}
+    provenances = {f"evidence in {user}", "evidence shipped with kernelgate"}
+    assert {r["evidence"] for r in regions.values()} == provenances
+    try:
+        _C.use_evidence(user, [shipped])
+        served = set()
+        for args, grad in _case_calls("rms_norm", ["float32", "bfloat16"]):
+            with torch.set_grad_enabled(grad):
+                e = kg.explain("rms_norm", *args)
+            region = regions.get(e.key)
+            if region is None or not region["ranked"]:
+                assert e.backend == "reference" and "reference serves it" in e.reason, str(e)
+                continue
+            assert e.backend == region["ranked"][0], (str(e), region)
+            assert f"({region['evidence']})" in e.reason, (str(e), region)
+            served.add(region["evidence"])
+        assert served == provenances
+    finally:
+        kg.evidence.install()
+
+
 def test_export_import_merge(faulty_db, tmp_path, capsys):
     db, _ = faulty_db
     path = str(tmp_path / "e.json")
@@ -159,7 +199,11 @@ def test_export_import_merge(faulty_db, tmp_path, capsys):
     imported = run(capsys, "db", "import", path, "--db", fresh)
     n = len(exported(db, tmp_path)["results"])
     assert imported["results_added"] == n
-    regions = lambda path: run(capsys, "policy", "show", "rms_norm", "--db", path)["rms_norm"]["regions"]  # noqa: E731
+
+    def regions(path):  # as policy show gives them, less the provenance (which names the store)
+        shown = run(capsys, "policy", "show", "rms_norm", "--db", path)["rms_norm"]["regions"]
+        assert {r.pop("evidence") for r in shown} == {f"evidence in {path}"}
+        return shown
     assert regions(fresh) == regions(db)
     merged = str(tmp_path / "merged.sqlite")
     assert run(capsys, "db", "merge", db, "--db", merged)["results_added"] == n
