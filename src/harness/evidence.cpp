@@ -55,6 +55,12 @@ bool of_stem(const std::string& path, const std::string& stem) {
   return false;
 }
 
+// The fingerprint of evidence of `op` measured on `b`: the op's, with {b: version} when b has one.
+store::Fingerprint for_backend(store::Fingerprint f, const BackendDesc& b) {
+  if (!b.version.empty()) f.backend_versions[b.name] = b.version;
+  return f;
+}
+
 }  // namespace
 
 std::string op_source_hash(const std::string& op) {
@@ -73,7 +79,7 @@ std::string op_source_hash(const std::string& op) {
   return store::fnv1a64_hex(combined);
 }
 
-store::Fingerprint current_fingerprint(const std::string& op) {
+store::Fingerprint current_fingerprint(const std::string& op, const std::string& backend) {
   store::Fingerprint f;
   f.torch_version = KERNELGATE_TORCH_VERSION;
   f.kernelgate_version = KERNELGATE_VERSION;
@@ -95,7 +101,13 @@ store::Fingerprint current_fingerprint(const std::string& op) {
   }
 #endif
   if (f.gpu_name == "cpu") f.sm_count = static_cast<int>(at::get_num_threads());
-  return f;
+  if (backend.empty()) return f;
+  const OpEntry* e = Dispatcher::get().find_op(op);
+  if (e == nullptr) throw std::runtime_error("unknown op '" + op + "'");
+  for (const auto& b : e->backends) {
+    if (b.name == backend) return for_backend(std::move(f), b);
+  }
+  throw std::runtime_error("op " + op + " has no backend '" + backend + "'");
 }
 
 const store::Fingerprint& OpFingerprints::of(const std::string& backend) const {
@@ -110,7 +122,7 @@ std::map<std::string, OpFingerprints> current_fingerprints(const std::string& on
     if (!only.empty() && name != only) continue;
     OpFingerprints& f = out[name];
     f.op = current_fingerprint(name);
-    for (const auto& b : d.find_op(name)->backends) f.backends[b.name] = f.op;
+    for (const auto& b : d.find_op(name)->backends) f.backends[b.name] = for_backend(f.op, b);
   }
   return out;
 }

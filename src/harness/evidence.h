@@ -1,6 +1,11 @@
 // Evidence: the fingerprints it is measured under, which stored rows may serve this process, and
 // the policy they give. The sweep (sweep.h) writes the rows; the dispatcher's evidence source
 // (LazyEvidencePolicy) and the CLI (`kernelgate policy show`, `doctor`) read them through here.
+//
+// Note on fingerprints: evidence of (op, backend) carries the device, the software, the op's
+// source hash and, for a backend with a version (BackendDesc::version: a Python backend's
+// package version and code hash), {backend: version} in backend_versions. A backend's version
+// moving makes its own evidence stale and no other backend's.
 #pragma once
 #include <map>
 #include <memory>
@@ -20,15 +25,17 @@ namespace kernelgate::harness {
 std::string op_source_hash(const std::string& op);
 
 // The fingerprint of this process's device and software (CUDA device 0 when present, else CPU)
-// for evidence of `op` (source hash: op_source_hash(op)).
-store::Fingerprint current_fingerprint(const std::string& op = "");
+// for evidence of `op` (source hash: op_source_hash(op)) measured on `backend` ("": any backend
+// without a version). Throws std::runtime_error for a backend the op does not have.
+store::Fingerprint current_fingerprint(const std::string& op = "",
+                                       const std::string& backend = "");
 
 // The current fingerprints of one op's evidence.
 struct OpFingerprints {
   store::Fingerprint op;                               // current_fingerprint(op)
-  std::map<std::string, store::Fingerprint> backends;  // per registered backend
-  // The fingerprint rows of `backend` must carry to be current; the op's for a backend this
-  // process does not have (a plugin not loaded here).
+  std::map<std::string, store::Fingerprint> backends;  // current_fingerprint(op, b), registered b
+  // The fingerprint rows of `backend` must carry to be current. A backend this process does not
+  // have (a plugin not loaded here) gets the op's: only its rows without a version can be current.
   const store::Fingerprint& of(const std::string& backend) const;
 };
 // Each registered op's current fingerprints (`op` alone when given; none for an unknown op).

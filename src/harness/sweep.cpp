@@ -102,11 +102,17 @@ SweepReport sweep(const SweepOptions& o) {
   auto opened = store::Store::open(o.db_path, store::Mode::kReadWrite);
   if (!opened) throw std::runtime_error(opened.problem);
   store::Store& db = *opened.store;
-  const store::Fingerprint fp = current_fingerprint(o.op);
-  const std::string fp_id = fp.id();
-  int64_t run_id = db.begin_run(fp, o.command);
+  // Each row is written under its own backend's fingerprint (a backend's version is part of it):
+  // one run per distinct fingerprint.
+  const OpFingerprints fps = current_fingerprints(o.op).at(o.op);
+  std::map<std::string, std::string> fingerprint_of;  // backend -> fingerprint id
+  std::map<std::string, int64_t> run_of;              // fingerprint id -> this sweep's run
+  for (const auto& b : backends) {
+    const std::string id = fingerprint_of[b] = fps.of(b).id();
+    if (!run_of.count(id)) run_of[id] = db.begin_run(fps.of(b), o.command);
+  }
 
-  const bool gpu = fp.gpu_name != "cpu";
+  const bool gpu = fps.op.gpu_name != "cpu";
   const int device_arch = gpu ? cuda_arch(0) : kCpuArch;
   const int64_t max_elements = gpu ? (int64_t{1} << 28) : (int64_t{1} << 20);
   std::vector<Case> cases = make_cases(o.op, o.grid, o.dtypes, o.seeds, max_elements);
@@ -116,7 +122,8 @@ SweepReport sweep(const SweepOptions& o) {
     for (const auto& b : backends) work.emplace_back(&cases[i], b);
   }
   SweepReport report;
-  report.fingerprint_id = fp_id;
+  report.fingerprint_id = fps.op.id();
+  report.fingerprint_ids = fingerprint_of;
   report.planned = static_cast<int>(work.size());
   WorkerPool pool(WorkerCommand{o.worker_argv, {}});
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(o.case_timeout_s * 1000));
@@ -126,7 +133,7 @@ SweepReport sweep(const SweepOptions& o) {
     const std::string case_id =
         c->id() + (o.time ? "" : "/untimed") + "/seed=" + std::to_string(c->seed);
     ++done;
-    if (db.has_result(fp_id, o.op, backend, case_id)) {
+    if (db.has_result(fingerprint_of[backend], o.op, backend, case_id)) {
       ++report.skipped;
       if (o.progress) o.progress(done, report.planned, "resumed " + backend);
       continue;
@@ -184,7 +191,7 @@ SweepReport sweep(const SweepOptions& o) {
     r.throttled = m.throttled;
     r.clocks_before = m.clocks_before;
     r.clocks_after = m.clocks_after;
-    db.add_result(run_id, r);
+    db.add_result(run_of[fingerprint_of[backend]], r);
     report.dispositions[m.disposition]++;
     if (o.progress) o.progress(done, report.planned, backend + " " + m.disposition);
   }

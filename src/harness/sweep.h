@@ -36,9 +36,10 @@ struct SweepOptions {
 };
 
 struct SweepReport {
-  std::string fingerprint_id;
+  std::string fingerprint_id;                         // the op's (every backend without a version)
+  std::map<std::string, std::string> fingerprint_ids;  // backend -> the one its rows are under
   int planned = 0;   // (case, seed, backend) runs in this shard
-  int skipped = 0;   // already in the store for this fingerprint (resumed)
+  int skipped = 0;   // already in the store for their backend's fingerprint (resumed)
   std::map<std::string, int> dispositions;
   int worker_restarts = 0;
   double seconds = 0;

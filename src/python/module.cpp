@@ -200,6 +200,7 @@ py::dict run_sweep(const std::string& op, const std::vector<std::string>& backen
   }
   py::dict d;
   d["fingerprint_id"] = r.fingerprint_id;
+  d["fingerprint_ids"] = r.fingerprint_ids;
   d["planned"] = r.planned;
   d["skipped"] = r.skipped;
   d["dispositions"] = r.dispositions;
@@ -335,8 +336,12 @@ PYBIND11_MODULE(_C, m) {
   m.def("clear_policy", [] { Dispatcher::get().clear_policy(); });
   m.def("describe_policy", [] { return Dispatcher::get().describe_policy(); });
   m.def("cuda_arch", &cuda_arch);
-  m.def("fingerprint", [](const std::string& op) { return fingerprint_dict(harness::current_fingerprint(op)); },
-        py::arg("op") = "");
+  m.def(
+      "fingerprint",
+      [](const std::string& op, const std::string& backend) {
+        return fingerprint_dict(harness::current_fingerprint(op, backend));
+      },
+      py::arg("op") = "", py::arg("backend") = "");
   m.def("default_db_path", &store::Store::default_path);
   m.def("sweep", &run_sweep);
   m.def("load_plugin", [](const std::string& path) { harness::load_backend_plugin(path); });

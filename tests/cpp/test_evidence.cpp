@@ -1,5 +1,5 @@
-// Which stored evidence serves a process (usable_evidence) and what doctor calls stale
-// (store_standing): on synthetic rows in real store files.
+// Which stored evidence serves a process (usable_evidence), what doctor calls stale
+// (store_standing) and per-backend fingerprints: on synthetic rows in real store files.
 #include <dirent.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -250,6 +250,30 @@ TEST(Fingerprints, ShippedEvidenceRule) {
     change(other);
     EXPECT_FALSE(shipped_evidence_applies(ours, other)) << other.gpu_name;
   }
+}
+
+TEST(Fingerprints, ABackendWithAVersionHasItsOwn) {
+  Dispatcher& d = Dispatcher::get();
+  const OpEntry* e = d.find_op("rms_norm");
+  ASSERT_NE(e, nullptr);
+  BackendDesc b;
+  b.name = "test_versioned";
+  b.kind = BackendKind::kPython;
+  b.version = "pkg==1.2;code=ab12";
+  d.add_backend(e->id, b);  // a descriptor without code: listed as unavailable, never dispatched
+  const auto op = current_fingerprint("rms_norm");
+  EXPECT_TRUE(op.backend_versions.empty());
+  EXPECT_EQ(current_fingerprint("rms_norm", "reference"), op);
+  auto versioned = op;
+  versioned.backend_versions = {{"test_versioned", "pkg==1.2;code=ab12"}};
+  EXPECT_EQ(current_fingerprint("rms_norm", "test_versioned"), versioned);
+  const auto all = current_fingerprints();
+  EXPECT_EQ(all.at("rms_norm").of("test_versioned"), versioned);
+  EXPECT_EQ(all.at("rms_norm").of("reference"), op);
+  EXPECT_EQ(all.at("rms_norm").of("not_registered_here"), op);
+  EXPECT_EQ(current_fingerprints("rms_norm").size(), 1u);
+  EXPECT_TRUE(current_fingerprints("no_such_op").empty());
+  EXPECT_THROW(current_fingerprint("rms_norm", "no_such_backend"), std::runtime_error);
 }
 
 }  // namespace
