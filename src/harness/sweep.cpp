@@ -32,11 +32,6 @@ void load_backend_plugin(const std::string& path) {
 
 namespace {
 
-store::Disposition disposition_of(const std::string& s) {
-  auto d = store::disposition_from_string(s);
-  return d ? *d : store::Disposition::kCrashed;
-}
-
 std::string dims_text(const Case& c) {
   std::string s;
   for (const auto& [k, v] : c.dims) s += (s.empty() ? "" : "x") + std::to_string(v);
@@ -50,14 +45,14 @@ Measured from_outcome(const Outcome& o) {
     std::string problem;
     auto decoded = Measured::decode(o.response, &problem);
     if (decoded) return *decoded;
-    m.disposition = "crashed";
+    m.disposition = store::Disposition::kCrashed;
     m.reason = "unreadable worker response: " + problem;
     return m;
   }
   switch (o.kind) {
-    case Outcome::Kind::kTimedOut: m.disposition = "timed_out"; break;
-    case Outcome::Kind::kOutOfMemory: m.disposition = "out_of_memory"; break;
-    default: m.disposition = "crashed";
+    case Outcome::Kind::kTimedOut: m.disposition = store::Disposition::kTimedOut; break;
+    case Outcome::Kind::kOutOfMemory: m.disposition = store::Disposition::kOutOfMemory; break;
+    default: m.disposition = store::Disposition::kCrashed;
   }
   m.reason = o.reason;  // names the signal or exit code and ends with the worker's last stderr line
   return m;
@@ -140,7 +135,7 @@ SweepReport sweep(const SweepOptions& o) {
     }
     Measured m;
     if (!availability[backend].ok) {
-      m.disposition = "unsupported";
+      m.disposition = store::Disposition::kUnsupported;
       m.reason = std::string("not available: ") + availability[backend].reason;
     } else if (Outcome ready = start_worker(pool); !ready.ok()) {
       m = from_outcome(ready);
@@ -175,9 +170,10 @@ SweepReport sweep(const SweepOptions& o) {
     r.layout = c->layout;
     r.regime = c->regime;
     r.seed = c->seed;
-    r.disposition = disposition_of(m.disposition);
+    r.disposition = m.disposition;
     r.reason = m.reason;
-    if (m.disposition == "passed" || m.disposition == "incorrect") {
+    if (m.disposition == store::Disposition::kPassed ||
+        m.disposition == store::Disposition::kIncorrect) {
       r.max_rel_l2 = m.max_rel_l2;
       r.max_max_over_rms = m.max_max_over_rms;
     }
@@ -192,8 +188,9 @@ SweepReport sweep(const SweepOptions& o) {
     r.clocks_before = m.clocks_before;
     r.clocks_after = m.clocks_after;
     db.add_result(run_of[fingerprint_of[backend]], r);
-    report.dispositions[m.disposition]++;
-    if (o.progress) o.progress(done, report.planned, backend + " " + m.disposition);
+    const std::string disposition(store::to_string(m.disposition));
+    report.dispositions[disposition]++;
+    if (o.progress) o.progress(done, report.planned, backend + " " + disposition);
   }
   report.worker_restarts = pool.restarts();
   report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

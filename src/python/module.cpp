@@ -395,7 +395,7 @@ PYBIND11_MODULE(_C, m) {
           m = harness::run_case(*c, backend, o);
         }
         py::dict d;
-        d["disposition"] = m.disposition;
+        d["disposition"] = std::string(store::to_string(m.disposition));
         d["reason"] = m.reason;
         d["region"] = m.region;
         d["max_rel_l2"] = m.max_rel_l2;

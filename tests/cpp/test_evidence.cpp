@@ -1,5 +1,6 @@
 // Which stored evidence serves a process (usable_evidence), what doctor calls stale
-// (store_standing) and per-backend fingerprints: on synthetic rows in real store files.
+// (store_standing), per-backend fingerprints, and dispositions on the worker wire: on synthetic
+// rows in real store files.
 #include <dirent.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -12,6 +13,7 @@
 #include <vector>
 
 #include "harness/evidence.h"
+#include "harness/harness.h"
 
 namespace kernelgate::harness {
 namespace {
@@ -274,6 +276,27 @@ TEST(Fingerprints, ABackendWithAVersionHasItsOwn) {
   EXPECT_EQ(current_fingerprints("rms_norm").size(), 1u);
   EXPECT_TRUE(current_fingerprints("no_such_op").empty());
   EXPECT_THROW(current_fingerprint("rms_norm", "no_such_backend"), std::runtime_error);
+}
+
+TEST(WorkerWire, ADispositionTravelsAsItsName) {
+  for (Disposition d : {Disposition::kPassed, Disposition::kIncorrect, Disposition::kCrashed,
+                        Disposition::kTimedOut, Disposition::kOutOfMemory,
+                        Disposition::kUnsupported}) {
+    Measured m;
+    m.disposition = d;
+    m.reason = "why";
+    const std::string line = m.encode();
+    const std::string name(store::to_string(d));
+    EXPECT_NE(line.find("disposition=" + name), std::string::npos) << line;
+    std::string problem;
+    auto back = Measured::decode(line, &problem);
+    ASSERT_TRUE(back) << problem;
+    EXPECT_EQ(back->disposition, d);
+    EXPECT_EQ(back->reason, "why");
+  }
+  std::string problem;
+  EXPECT_FALSE(Measured::decode("disposition=exploded;reason=x", &problem));
+  EXPECT_EQ(problem, "unknown disposition 'exploded'");
 }
 
 }  // namespace
