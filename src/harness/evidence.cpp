@@ -71,8 +71,9 @@ std::string op_source_hash(const std::string& op) {
   std::string combined;
   for (const auto& entry : kernelgate_file_hashes) {
     const std::string path = entry[0];
-    bool used = std::any_of(std::begin(kernelgate_shared_sources), std::end(kernelgate_shared_sources),
-                            [&](const char* shared) { return path == shared; });
+    bool used =
+        std::any_of(std::begin(kernelgate_shared_sources), std::end(kernelgate_shared_sources),
+                    [&](const char* shared) { return path == shared; });
     for (const auto& stem : stems) used = used || of_stem(path, stem);
     if (used) combined += path + "=" + entry[1] + ";";
   }
@@ -161,9 +162,9 @@ std::vector<store::Result> usable_rows(const store::Store& s, bool shipped, cons
   }
   std::vector<store::Result> rows;
   for (const auto& [id, f] : stored) {
-    const bool for_some = admits(f, current.op) ||
-                          std::any_of(current.backends.begin(), current.backends.end(),
-                                      [&](const auto& b) { return admits(f, b.second); });
+    const bool for_some =
+        admits(f, current.op) || std::any_of(current.backends.begin(), current.backends.end(),
+                                             [&](const auto& b) { return admits(f, b.second); });
     if (!for_some) continue;
     std::map<std::string, bool> admitted;  // backend -> whether its rows under `f` may serve
     for (auto& r : s.results(id, op)) {
@@ -322,7 +323,8 @@ std::vector<RegionPolicy> derive_policy(const std::vector<store::Result>& rows) 
           ++s.passed;
           // Device time (graph replay) where measured, else the eager call time; validation-only
           // runs prove correctness, not speed.
-          const std::optional<double> t = r->device_median_us ? r->device_median_us : r->eager_median_us;
+          const std::optional<double> t =
+              r->device_median_us ? r->device_median_us : r->eager_median_us;
           if (t) {
             ++timed;
             times[backend][case_of(r->case_id)].push_back(*t);
@@ -427,7 +429,8 @@ std::vector<std::string> EvidencePolicy::ranked(const std::string&, const Dispat
 std::string EvidencePolicy::describe() const { return description_; }
 
 LazyEvidencePolicy::LazyEvidencePolicy(std::string user_db, std::vector<std::string> shipped_dbs)
-    : user_db_(std::move(user_db)), shipped_(std::move(shipped_dbs)),
+    : user_db_(std::move(user_db)),
+      shipped_(std::move(shipped_dbs)),
       fingerprints_(current_fingerprints()) {}
 
 void LazyEvidencePolicy::load() const {

@@ -27,8 +27,7 @@ std::string op_source_hash(const std::string& op);
 // The fingerprint of this process's device and software (CUDA device 0 when present, else CPU)
 // for evidence of `op` (source hash: op_source_hash(op)) measured on `backend` ("": any backend
 // without a version). Throws std::runtime_error for a backend the op does not have.
-store::Fingerprint current_fingerprint(const std::string& op = "",
-                                       const std::string& backend = "");
+store::Fingerprint current_fingerprint(const std::string& op = "", const std::string& backend = "");
 
 // The current fingerprints of one op's evidence.
 struct OpFingerprints {
@@ -97,11 +96,11 @@ struct BackendStanding {
 
 struct RegionPolicy {
   std::string op, region;
-  std::vector<std::string> ranked;           // eligible backends, fastest first
-  std::vector<BackendStanding> standings;    // every backend measured in the region
-  std::string comparison;                    // winner vs runner-up: faster / same
-  double margin = 0;                         // runner-up time / winner time - 1
-  std::string evidence;                      // the provenance of its rows (EvidenceSet)
+  std::vector<std::string> ranked;         // eligible backends, fastest first
+  std::vector<BackendStanding> standings;  // every backend measured in the region
+  std::string comparison;                  // winner vs runner-up: faster / same
+  double margin = 0;                       // runner-up time / winner time - 1
+  std::string evidence;                    // the provenance of its rows (EvidenceSet)
 };
 
 // Eligible: every validated run of the backend in the region passed (and one was timed). Ranked

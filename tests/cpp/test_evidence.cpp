@@ -48,9 +48,8 @@ store::Fingerprint with_version(store::Fingerprint f, const std::string& backend
 std::map<std::string, OpFingerprints> current(const std::string& py_version) {
   OpFingerprints f;
   f.op = machine();
-  f.backends = {{"reference", f.op},
-                {"kernelgate_cpu", f.op},
-                {"py", with_version(f.op, "py", py_version)}};
+  f.backends = {
+      {"reference", f.op}, {"kernelgate_cpu", f.op}, {"py", with_version(f.op, "py", py_version)}};
   return {{"op", f}};
 }
 
@@ -188,10 +187,10 @@ TEST_F(EvidenceTest, DoctorExplainsRowsOfAnOpThisProcessLacksAgainstTheClosestOp
 
 TEST_F(EvidenceTest, ShippedEvidenceServesOnlyRegionsTheUserStoreSaysNothingAbout) {
   const auto f = machine();
-  const std::string user = make_store(
-      "user.sqlite", {{f, row("reference", 10, "r1")},
-                      {f, row("kernelgate_cpu", 5, "r1")},
-                      {f, row("kernelgate_cpu", 0, "r2", Disposition::kUnsupported)}});
+  const std::string user =
+      make_store("user.sqlite", {{f, row("reference", 10, "r1")},
+                                 {f, row("kernelgate_cpu", 5, "r1")},
+                                 {f, row("kernelgate_cpu", 0, "r2", Disposition::kUnsupported)}});
   auto ours = f;  // the same build on our GPU: another driver and memory size
   ours.driver = "12.9";
   ours.memory_bytes = 140000000000;
@@ -279,9 +278,9 @@ TEST(Fingerprints, ABackendWithAVersionHasItsOwn) {
 }
 
 TEST(WorkerWire, ADispositionTravelsAsItsName) {
-  for (Disposition d : {Disposition::kPassed, Disposition::kIncorrect, Disposition::kCrashed,
-                        Disposition::kTimedOut, Disposition::kOutOfMemory,
-                        Disposition::kUnsupported}) {
+  for (Disposition d :
+       {Disposition::kPassed, Disposition::kIncorrect, Disposition::kCrashed,
+        Disposition::kTimedOut, Disposition::kOutOfMemory, Disposition::kUnsupported}) {
     Measured m;
     m.disposition = d;
     m.reason = "why";
