@@ -176,7 +176,7 @@ std::optional<Case> Case::decode(const std::string& text, std::string* problem) 
 
 std::string Measured::encode() const {
   auto opt = [](const std::optional<double>& v) { return v ? num(*v) : std::string(); };
-  return encode_fields({{"disposition", disposition},
+  return encode_fields({{"disposition", std::string(store::to_string(disposition))},
                     {"reason", reason},
                     {"region", region},
                     {"arch", std::to_string(arch)},
@@ -204,11 +204,16 @@ std::optional<Measured> Measured::decode(const std::string& text, std::string* p
     return std::nullopt;
   }
   Measured m;
+  if (auto d = store::disposition_from_string(kv["disposition"])) {
+    m.disposition = *d;
+  } else {
+    *problem = "unknown disposition '" + kv["disposition"] + "'";
+    return std::nullopt;
+  }
   auto opt = [&](const char* k) -> std::optional<double> {
     return kv[k].empty() ? std::nullopt : std::optional<double>(std::stod(kv[k]));
   };
   try {
-    m.disposition = kv["disposition"];
     m.reason = kv["reason"];
     m.region = kv["region"];
     m.arch = kv["arch"].empty() ? -1 : std::stoi(kv["arch"]);

@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "store/store.h"
+
 namespace kernelgate::harness {
 
 // key=value;key=value lines with '%', ';', '=' and newlines percent-escaped: the worker protocol.
@@ -50,7 +52,7 @@ std::vector<Case> make_cases(const std::string& op, Grid grid, const std::vector
                              int seeds, int64_t max_elements);
 
 struct Measured {
-  std::string disposition = "passed";  // passed, incorrect, crashed, out_of_memory, unsupported
+  store::Disposition disposition = store::Disposition::kPassed;  // its name on the worker wire
   std::string reason;
   std::string region;      // the dispatch key the call falls in (describe_key)
   int arch = -1;

@@ -53,10 +53,6 @@ at::ScalarType parse_dtype(const std::string& s) {
   TORCH_CHECK(false, "unknown dtype '", s, "'");
 }
 
-struct Failure {
-  std::string disposition, reason;
-};
-
 struct Metrics {
   double l2 = 0, mx = 0;
 };
@@ -525,7 +521,7 @@ Measured run_case(const Case& k, const std::string& backend, const RunOptions& o
   try {
     Dispatcher& d = Dispatcher::get();
     const OpEntry* e = d.find_op(k.op);
-    if (e == nullptr) return {"unsupported", "unknown op '" + k.op + "'"};
+    if (e == nullptr) return {store::Disposition::kUnsupported, "unknown op '" + k.op + "'"};
     const OpContract& c = e->contract;
     const at::ScalarType dtype = parse_dtype(k.dtype);
     at::Device device = at::kCPU;
@@ -552,7 +548,7 @@ Measured run_case(const Case& k, const std::string& backend, const RunOptions& o
           if (cand.backend == backend) m.reason = cand.reason;
         }
         if (m.reason.empty()) m.reason = "no backend '" + backend + "' for " + k.op;
-        m.disposition = "unsupported";
+        m.disposition = store::Disposition::kUnsupported;
         return m;
       }
     }
@@ -585,8 +581,8 @@ Measured run_case(const Case& k, const std::string& backend, const RunOptions& o
     }
     ora = forward_backward("kernelgate::_" + k.op + "_reference", c, k, oracle_in, cot);
     if (got.size() != ora.size()) {
-      return {"incorrect", "returned " + std::to_string(got.size()) + " tensors, the oracle " +
-                               std::to_string(ora.size())};
+      return {store::Disposition::kIncorrect, "returned " + std::to_string(got.size()) +
+                                                   " tensors, the oracle " + std::to_string(ora.size())};
     }
     std::vector<std::string> names;
     for (size_t i = 0; i < got.size(); ++i) names.push_back("output " + std::to_string(i));
@@ -602,7 +598,7 @@ Measured run_case(const Case& k, const std::string& backend, const RunOptions& o
       m.max_rel_l2 = std::max(m.max_rel_l2, ok.rel_l2);
       m.max_max_over_rms = std::max(m.max_max_over_rms, ok.max_over_rms);
       if (!ok.failure.empty()) {
-        m.disposition = "incorrect";
+        m.disposition = store::Disposition::kIncorrect;
         m.reason = ok.failure;
         return m;
       }
@@ -612,13 +608,13 @@ Measured run_case(const Case& k, const std::string& backend, const RunOptions& o
       time_run([&] { forward_backward(qualified, c, k, in, cot); }, device, options, &m);
     }
   } catch (const c10::OutOfMemoryError& e) {
-    m.disposition = "out_of_memory";
+    m.disposition = store::Disposition::kOutOfMemory;
     m.reason = e.what_without_backtrace();
   } catch (const c10::Error& e) {
-    m.disposition = "crashed";
+    m.disposition = store::Disposition::kCrashed;
     m.reason = std::string("raised: ") + e.what_without_backtrace();
   } catch (const std::exception& e) {
-    m.disposition = "crashed";
+    m.disposition = store::Disposition::kCrashed;
     m.reason = std::string("raised: ") + e.what();
   }
   return m;

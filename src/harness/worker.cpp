@@ -61,7 +61,7 @@ int serve_worker() {
     Measured m;
     std::optional<Case> c;
     if (!decode_fields(line, &f, &problem) || !(c = Case::decode(f["case"], &problem))) {
-      m.disposition = "crashed";
+      m.disposition = store::Disposition::kCrashed;
       m.reason = "bad request: " + problem;
     } else {
       RunOptions o;

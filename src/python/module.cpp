@@ -3,9 +3,11 @@
 // torch.ops.kernelgate.
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
-#include <set>
 #include <torch/csrc/utils/pybind.h>
 
+#include <algorithm>
+
+#include "harness/evidence.h"
 #include "harness/harness.h"
 #include "harness/sweep.h"
 #include "kernelgate/kernelgate.h"
@@ -201,6 +203,7 @@ py::dict run_sweep(const std::string& op, const std::vector<std::string>& backen
   }
   py::dict d;
   d["fingerprint_id"] = r.fingerprint_id;
+  d["fingerprint_ids"] = r.fingerprint_ids;
   d["planned"] = r.planned;
   d["skipped"] = r.skipped;
   d["dispositions"] = r.dispositions;
@@ -209,42 +212,19 @@ py::dict run_sweep(const std::string& op, const std::vector<std::string>& backen
   return d;
 }
 
-std::vector<store::Result> evidence_rows(const std::string& db, const std::vector<std::string>& shipped,
-                                         const std::string& op, py::list* notes) {
-  std::vector<store::Result> rows;
-  auto opened = store::Store::open(db, store::Mode::kReadOnly);
-  if (opened) {
-    rows = harness::usable_rows(*opened.store, /*shipped=*/false, op);
-    notes->append("store " + db + ": " + std::to_string(rows.size()) + " rows for this fingerprint");
-  } else {
-    notes->append("store not used: " + opened.problem);
-  }
-  // Shipped evidence serves the regions the user's store does not cover, as in the dispatcher.
-  std::set<std::string> covered;
-  for (const auto& r : rows) covered.insert(r.region);
-  for (const auto& path : shipped) {
-    auto s = store::Store::open(path, store::Mode::kReadOnly);
-    if (!s) {
-      notes->append("shipped evidence not used: " + s.problem);
-      continue;
-    }
-    size_t used = 0;
-    for (auto& r : harness::usable_rows(*s.store, /*shipped=*/true, op)) {
-      if (covered.count(r.region)) continue;
-      rows.push_back(std::move(r));
-      ++used;
-    }
-    notes->append("shipped evidence " + path + ": " + std::to_string(used) + " rows apply");
-  }
-  return rows;
-}
-
+// The regions the dispatcher's evidence source (LazyEvidencePolicy) would load for `op`: the
+// same usable evidence, the same derivation, each region with the provenance explain shows.
 py::dict policy_regions(const std::string& op, const std::string& db,
                         const std::vector<std::string>& shipped) {
+  const auto evidence = harness::usable_evidence(db, shipped, harness::current_fingerprints(op));
   py::list notes;
-  auto rows = evidence_rows(db, shipped, op, &notes);
+  for (const auto& p : evidence.problems) notes.append(p);
+  for (const auto& n : evidence.notes) notes.append(n);
+  auto derived = harness::derive_policy(evidence);  // set by set; listed by region, as ever
+  std::stable_sort(derived.begin(), derived.end(),
+                   [](const auto& a, const auto& b) { return a.region < b.region; });
   py::list regions;
-  for (const auto& r : harness::derive_policy(rows)) {
+  for (const auto& r : derived) {
     py::list standings;
     for (const auto& s : r.standings) {
       py::dict d;
@@ -264,6 +244,7 @@ py::dict policy_regions(const std::string& op, const std::string& db,
     d["comparison"] = r.comparison;
     d["margin"] = r.margin;
     d["standings"] = standings;
+    d["evidence"] = r.evidence;
     regions.append(d);
   }
   py::dict out;
@@ -287,28 +268,13 @@ py::dict store_status(const std::string& db) {
   d["usable"] = static_cast<bool>(opened);
   d["problem"] = opened.problem;
   if (!opened) return d;
-  // Each op's evidence has its own fingerprint (its source hash): a stored fingerprint is stale
-  // when it is current for no op, and is explained against the op it differs from least.
-  int64_t current_results = 0;
-  std::map<std::string, store::StaleFingerprint> stale_for_all;
-  std::map<std::string, int> stale_count;
-  const auto ops = Dispatcher::get().op_names();
-  for (const auto& op : ops) {
-    auto report = opened.store->stale(harness::current_fingerprint(op));
-    current_results += report.current_results;
-    for (const auto& s : report.stale) {
-      stale_count[s.id]++;
-      auto it = stale_for_all.find(s.id);
-      if (it == stale_for_all.end() || s.differences.size() < it->second.differences.size()) {
-        stale_for_all[s.id] = s;
-      }
-    }
-  }
+  // Each (op, backend)'s evidence has its own fingerprint: a stored one is stale for the rows
+  // that are current for none.
+  const auto standing = harness::store_standing(*opened.store, harness::current_fingerprints());
   d["schema_version"] = opened.store->schema_version();
-  d["current_results"] = current_results;
+  d["current_results"] = standing.current_results;
   py::list stale;
-  for (const auto& [id, s] : stale_for_all) {
-    if (stale_count[id] != static_cast<int>(ops.size())) continue;  // current for some op
+  for (const auto& s : standing.stale) {
     py::dict e;
     e["id"] = s.id;
     e["gpu_name"] = s.fingerprint.gpu_name;
@@ -373,8 +339,12 @@ PYBIND11_MODULE(_C, m) {
   m.def("clear_policy", [] { Dispatcher::get().clear_policy(); });
   m.def("describe_policy", [] { return Dispatcher::get().describe_policy(); });
   m.def("cuda_arch", &cuda_arch);
-  m.def("fingerprint", [](const std::string& op) { return fingerprint_dict(harness::current_fingerprint(op)); },
-        py::arg("op") = "");
+  m.def(
+      "fingerprint",
+      [](const std::string& op, const std::string& backend) {
+        return fingerprint_dict(harness::current_fingerprint(op, backend));
+      },
+      py::arg("op") = "", py::arg("backend") = "");
   // Bytes: KERNELGATE_DB may be any bytes (Python decodes them as file names: os.fsdecode).
   m.def("default_db_path", [] { return py::bytes(store::Store::default_path()); });
   m.def("op_source_files", &harness::op_source_files);
@@ -430,7 +400,7 @@ PYBIND11_MODULE(_C, m) {
           m = harness::run_case(*c, backend, o);
         }
         py::dict d;
-        d["disposition"] = m.disposition;
+        d["disposition"] = std::string(store::to_string(m.disposition));
         d["reason"] = m.reason;
         d["region"] = m.region;
         d["max_rel_l2"] = m.max_rel_l2;

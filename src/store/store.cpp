@@ -118,6 +118,17 @@ std::vector<Result> Store::results(const std::string& fingerprint_id, const std:
   return out;
 }
 
+std::map<std::pair<std::string, std::string>, int64_t> Store::result_counts(
+    const std::string& fingerprint_id) const {
+  Stmt s(db_, path_,
+         "SELECT op, backend, COUNT(*) FROM results WHERE fingerprint_id = ?1 "
+         "GROUP BY op, backend");
+  s.bind(1, fingerprint_id);
+  std::map<std::pair<std::string, std::string>, int64_t> out;
+  while (s.step()) out[{s.get<std::string>(0), s.get<std::string>(1)}] = s.get<int64_t>(2);
+  return out;
+}
+
 std::optional<Fingerprint> Store::fingerprint(const std::string& fingerprint_id) const {
   Stmt s(db_, path_, fingerprint_select() + " WHERE id = ?1");
   s.bind(1, fingerprint_id);

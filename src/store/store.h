@@ -43,8 +43,9 @@ struct Fingerprint {
   std::string torch_version;
   std::string kernelgate_version;
   std::string source_hash;
-  std::map<std::string, std::string> backend_versions;  // Python package -> version
-  std::string clocks_seen;                              // informational only: not part of id()
+  // Backend -> its version (BackendDesc::version), for a backend with one whose rows these are.
+  std::map<std::string, std::string> backend_versions;
+  std::string clocks_seen;  // informational only: not part of id()
 
   // 16 hex digits: FNV-1a 64 of a versioned, length-prefixed serialisation of every field but
   // clocks_seen. Equal on every machine and process for equal fields.
@@ -193,6 +194,9 @@ class Store {
                   const std::string& backend, const std::string& case_id) const;
   // Rows of this fingerprint only, in insertion order; op "" means every op.
   std::vector<Result> results(const std::string& fingerprint_id, const std::string& op = "") const;
+  // How many rows of this fingerprint each (op, backend) has.
+  std::map<std::pair<std::string, std::string>, int64_t> result_counts(
+      const std::string& fingerprint_id) const;
   std::optional<Fingerprint> fingerprint(const std::string& fingerprint_id) const;
   StaleReport stale(const Fingerprint& current) const;
 

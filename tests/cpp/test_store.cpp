@@ -344,6 +344,24 @@ TEST_F(StoreTest, HasResultForResume) {
   EXPECT_TRUE(store->has_result(fp.id(), "rms_norm", "kernelgate", "case-7"));
 }
 
+TEST_F(StoreTest, ResultCountsPerOpAndBackendOfOneFingerprint) {
+  auto store = open_rw("counts.sqlite");
+  Fingerprint fp = sample_fingerprint(), other = sample_fingerprint();
+  other.driver = "999";
+  int64_t run = store->begin_run(fp, "sweep"), other_run = store->begin_run(other, "sweep");
+  for (int i = 0; i < 3; ++i) store->add_result(run, sample_result(i));
+  Result liger = sample_result(0);
+  liger.backend = "liger";
+  store->add_result(run, liger);
+  store->add_result(other_run, sample_result(0));
+  using Key = std::pair<std::string, std::string>;
+  EXPECT_EQ(store->result_counts(fp.id()),
+            (std::map<Key, int64_t>{{{"rms_norm", "kernelgate"}, 3}, {{"rms_norm", "liger"}, 1}}));
+  EXPECT_EQ(store->result_counts(other.id()),
+            (std::map<Key, int64_t>{{{"rms_norm", "kernelgate"}, 1}}));
+  EXPECT_TRUE(store->result_counts("0000000000000000").empty());
+}
+
 TEST_F(StoreTest, ResultsAreNeverOverwritten) {
   auto store = open_rw("d.sqlite");
   int64_t run = store->begin_run(sample_fingerprint(), "x");
