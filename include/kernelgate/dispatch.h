@@ -90,7 +90,7 @@ struct TensorArgSpec {
   bool optional = false;
   DTypeClass dtype_class = DTypeClass::kFloat;
   std::vector<DimSpec> dims;
-  int schema_index = -1;      // position among the schema's arguments (set by the op mechanism)
+  int schema_index = -1;       // position among the schema's arguments (set by the op mechanism)
   bool differentiable = true;  // float tensors get gradients unless listed in OpContract::no_grad
 };
 
@@ -248,11 +248,11 @@ std::string describe_key(const DispatchKey& key);
 // A rule of the in-memory policy: fields left at their wildcard match every key.
 struct PolicyRule {
   std::string op;
-  int arch = -2;                 // -2: any; kCpuArch: CPU
-  int dtype = -1;                // ScalarType of the first tensor, -1: any
-  std::vector<int> max_buckets;  // per named dim, key bucket must be <= this (empty: any)
-  int align = -1;                // AlignClass, -1: any
-  int grad = -1;                 // 0/1, -1: any
+  int arch = -2;                    // -2: any; kCpuArch: CPU
+  int dtype = -1;                   // ScalarType of the first tensor, -1: any
+  std::vector<int> max_buckets;     // per named dim, key bucket must be <= this (empty: any)
+  int align = -1;                   // AlignClass, -1: any
+  int grad = -1;                    // 0/1, -1: any
   std::vector<std::string> ranked;  // fastest first
   std::string evidence;             // where the ranking came from
 };
@@ -266,6 +266,9 @@ class PolicySource {
   virtual std::vector<std::string> ranked(const std::string& op, const DispatchKey& key,
                                           std::string* evidence) const = 0;
   virtual std::string describe() const = 0;
+  // Why some of its evidence cannot be used (an unreadable store, say), for people: logged as
+  // warnings once, at the first decision, and shown by explain.
+  virtual std::vector<std::string> problems() const { return {}; }
 };
 
 class InMemoryPolicy final : public PolicySource {
@@ -300,6 +303,7 @@ struct Explanation {
   std::string backend;  // the one that serves the call
   std::string reason;   // why
   std::vector<CandidateReport> candidates;
+  std::vector<std::string> evidence_problems;  // the evidence source's problems(), if any
 };
 
 // An op as the router sees it: its contract and backends, local index 0 being the reference.
@@ -371,7 +375,7 @@ class Dispatcher {
 };
 
 // Device facts the key needs; provided by the CUDA part of the build when present.
-int cuda_arch(int device_index);        // major*10+minor, or 0 if unknown
+int cuda_arch(int device_index);  // major*10+minor, or 0 if unknown
 void set_cuda_arch_provider(int (*provider)(int device_index));
 
 }  // namespace kernelgate

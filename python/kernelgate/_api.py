@@ -28,6 +28,7 @@ class Explanation:
     reason: str
     candidates: List[Candidate]
     valid: bool = True
+    evidence_problems: List[str] = dataclasses.field(default_factory=list)  # evidence left out, why
 
     def __str__(self) -> str:
         if not self.valid:
@@ -37,6 +38,7 @@ class Explanation:
         for c in self.candidates:
             mark = "*" if c.selected else " "
             lines.append(f"  {mark} {c.backend:<{width}}  [{c.kind}] {c.reason}")
+        lines += [f"  warning: {p}" for p in self.evidence_problems]
         return "\n".join(lines)
 
 
@@ -99,6 +101,7 @@ def explain(op: str, *args, device: Optional[str] = None, **kwargs) -> Explanati
         backend=d["backend"],
         reason=d["reason"],
         candidates=[Candidate(**c) for c in d["candidates"]],
+        evidence_problems=d["evidence_problems"],
     )
 
 

@@ -18,7 +18,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     # Until the loop takes over, whatever imports print goes to stderr: stdout is the protocol's.
     responses = os.dup(1)
     os.dup2(2, 1)
-    from . import plugins
+    from . import _C, plugins
+
+    _C.die_with_parent()  # the kernel ends this worker when the sweep's process ends
 
     loads = []
     i = 0
@@ -35,8 +37,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     except Exception as exc:  # the sweep reports the worker's last stderr line
         print(f"kernelgate worker: cannot load {item}: {exc}", file=sys.stderr)
         return 2
-    from . import _C
-
     sys.stdout.flush()
     os.dup2(responses, 1)
     os.close(responses)

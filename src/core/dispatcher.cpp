@@ -102,6 +102,7 @@ struct Dispatcher::Impl {
   mutable std::mutex mu;  // registry, overrides, policy, decision map
   std::vector<std::unique_ptr<OpEntry>> ops;
   std::shared_ptr<PolicySource> policy;  // evidence; may be null
+  bool policy_problems_logged = false;   // its problems() are logged once, at the first decision
   std::shared_ptr<InMemoryPolicy> memory;
   Overrides overrides;
   std::unordered_map<DispatchKey, Decision*, KeyHash> decisions;
@@ -181,11 +182,13 @@ int Dispatcher::add_backend(OpId op, BackendDesc backend) {
     // A forward-only backend: calls that need gradients go to the next ranked backend.
     auto inner = std::move(backend.can_implement);
     backend.can_implement = [inner](const CallView& call) {
-      if (call.grad) return Support::no("forward only (no backward): serves calls that need no gradient");
+      if (call.grad)
+        return Support::no("forward only (no backward): serves calls that need no gradient");
       return inner ? inner(call) : Support::yes();
     };
   }
-  if (!backend.can_implement) backend.can_implement = [](const CallView&) { return Support::yes(); };
+  if (!backend.can_implement)
+    backend.can_implement = [](const CallView&) { return Support::yes(); };
   std::lock_guard<std::mutex> lock(impl_->mu);
   TORCH_CHECK(op < impl_->ops.size(), "unknown op id ", op);
   OpEntry& e = *impl_->ops[op];
@@ -342,11 +345,19 @@ int Dispatcher::select(OpId op, const CallView& call, const BoundDims& dims) {
   } else {
     std::call_once(impl_->env_once, [this] { apply_env(); });
     std::vector<std::pair<LogLevel, std::string>> logs;
+    std::shared_ptr<PolicySource> unlogged;  // whose problems are not yet logged
     {
       std::lock_guard<std::mutex> lock(impl_->mu);
       auto it = impl_->decisions.find(key);
-      d = it != impl_->decisions.end() ? it->second
-                                       : impl_->decide(*impl_->ops[op], key, &logs);
+      d = it != impl_->decisions.end() ? it->second : impl_->decide(*impl_->ops[op], key, &logs);
+      if (!impl_->policy_problems_logged && impl_->policy) {
+        impl_->policy_problems_logged = true;
+        unlogged = impl_->policy;
+      }
+    }
+    // Outside the lock: a log hook may run Python, which may call back into kernelgate.
+    if (unlogged) {
+      for (const auto& p : unlogged->problems()) log_once(LogLevel::kWarning, kNoOp, p);
     }
     for (auto& [level, msg] : logs) log_once(level, op, msg);
     slot.key = key;
@@ -383,16 +394,18 @@ Explanation Dispatcher::explain(OpId op, const CallView& call, const BoundDims& 
   std::string reason;
   std::vector<uint8_t> ranked;
   Overrides ov;
+  std::shared_ptr<PolicySource> policy;
   {
     std::vector<std::pair<LogLevel, std::string>> ignored;
     std::lock_guard<std::mutex> lock(impl_->mu);
     auto it = impl_->decisions.find(key);
-    const Decision* d = it != impl_->decisions.end() ? it->second
-                                                     : impl_->decide(e, key, &ignored);
+    const Decision* d = it != impl_->decisions.end() ? it->second : impl_->decide(e, key, &ignored);
     ranked.assign(d->ranked.begin(), d->ranked.begin() + d->n);
     reason = d->reason;
     ov = impl_->overrides;
+    policy = impl_->policy;
   }
+  if (policy) ex.evidence_problems = policy->problems();
   int chosen = -1;
   std::vector<std::string> reasons(e.backends.size());
   for (size_t r = 0; r < ranked.size(); ++r) {
@@ -403,8 +416,7 @@ Explanation Dispatcher::explain(OpId op, const CallView& call, const BoundDims& 
                    " but cannot implement this call: " + s.reason;
     } else if (chosen < 0) {
       chosen = b;
-      reasons[b] = r == 0 ? reason
-                          : std::string("first ranked backend that implements this call");
+      reasons[b] = r == 0 ? reason : std::string("first ranked backend that implements this call");
     } else {
       reasons[b] = "ranked #" + std::to_string(r + 1) + ", below " + e.backends[chosen].name;
     }
@@ -438,6 +450,7 @@ Explanation Dispatcher::explain(OpId op, const CallView& call, const BoundDims& 
 void Dispatcher::set_policy(std::shared_ptr<PolicySource> policy) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   impl_->policy = std::move(policy);
+  impl_->policy_problems_logged = false;
   impl_->bump();
 }
 
@@ -527,7 +540,8 @@ void Dispatcher::reset_log_once() {
 
 namespace {
 
-// Parses "backend" or "op=backend[,op=backend...]". Returns false with `problem` set when malformed.
+// Parses "backend" or "op=backend[,op=backend...]". Returns false with `problem` set when
+// malformed.
 bool parse_override_list(const char* text, Dispatcher& d, bool list_is_exclude,
                          std::vector<std::pair<std::string, std::string>>* out,
                          std::string* problem) {
@@ -535,8 +549,8 @@ bool parse_override_list(const char* text, Dispatcher& d, bool list_is_exclude,
   size_t start = 0;
   while (start <= s.size()) {
     size_t comma = s.find(',', start);
-    std::string item = rtrim_copy(s.substr(start, comma == std::string::npos ? std::string::npos
-                                                                             : comma - start));
+    std::string item =
+        rtrim_copy(s.substr(start, comma == std::string::npos ? std::string::npos : comma - start));
     start = comma == std::string::npos ? s.size() + 1 : comma + 1;
     if (item.empty()) {
       *problem = "empty entry";
@@ -610,8 +624,9 @@ void Dispatcher::apply_env() {
       info = true;
     } else if (l != "warning") {
       log_once(LogLevel::kWarning, kNoOp,
-               "KERNELGATE_LOG='" + l + "' is malformed; expected 'info' or 'warning'; using "
-               "'warning'");
+               "KERNELGATE_LOG='" + l +
+                   "' is malformed; expected 'info' or 'warning'; using "
+                   "'warning'");
     }
   }
   {
@@ -683,9 +698,8 @@ std::string describe_key(const DispatchKey& key) {
   for (size_t a = 0; a < e.contract.tensor_args.size(); ++a) {
     if (!first) s += ",";
     first = false;
-    s += key.dtypes[a] == kAbsentDType
-             ? std::string("none")
-             : dtype_name(static_cast<c10::ScalarType>(key.dtypes[a]));
+    s += key.dtypes[a] == kAbsentDType ? std::string("none")
+                                       : dtype_name(static_cast<c10::ScalarType>(key.dtypes[a]));
   }
   for (size_t i = 0; i < e.contract.named_dims.size(); ++i) {
     s += " " + e.contract.named_dims[i];

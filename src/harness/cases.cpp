@@ -1,8 +1,8 @@
 // Cases from an op's contract, and the one-line encodings that cross the worker pipe.
 #include <algorithm>
 #include <cmath>
-#include <set>
 #include <cstdio>
+#include <set>
 
 #include "harness/harness.h"
 #include "kernelgate/dispatch.h"
@@ -132,23 +132,23 @@ std::string Case::id() const {
 
 std::string Case::encode() const {
   return encode_fields({{"op", op},
-                    {"dims", join_map(dims)},
-                    {"dtype", dtype},
-                    {"layout", layout},
-                    {"regime", regime},
-                    {"scalars", join_scalars(scalars)},
-                    {"strings", join_strings(strings)},
-                    {"optional", with_optional ? "1" : "0"},
-                    {"grad", grad ? "1" : "0"},
-                    {"seed", std::to_string(seed)}});
+                        {"dims", join_map(dims)},
+                        {"dtype", dtype},
+                        {"layout", layout},
+                        {"regime", regime},
+                        {"scalars", join_scalars(scalars)},
+                        {"strings", join_strings(strings)},
+                        {"optional", with_optional ? "1" : "0"},
+                        {"grad", grad ? "1" : "0"},
+                        {"seed", std::to_string(seed)}});
 }
 
 std::optional<Case> Case::decode(const std::string& text, std::string* problem) {
   std::map<std::string, std::string> kv;
   if (!decode_fields(text, &kv, problem)) return std::nullopt;
   Case c;
-  for (const char* k : {"op", "dims", "dtype", "layout", "regime", "scalars", "optional", "grad",
-                        "seed"}) {
+  for (const char* k :
+       {"op", "dims", "dtype", "layout", "regime", "scalars", "optional", "grad", "seed"}) {
     if (!kv.count(k)) {
       *problem = std::string("case lacks '") + k + "'";
       return std::nullopt;
@@ -177,23 +177,23 @@ std::optional<Case> Case::decode(const std::string& text, std::string* problem) 
 std::string Measured::encode() const {
   auto opt = [](const std::optional<double>& v) { return v ? num(*v) : std::string(); };
   return encode_fields({{"disposition", std::string(store::to_string(disposition))},
-                    {"reason", reason},
-                    {"region", region},
-                    {"arch", std::to_string(arch)},
-                    {"buckets", buckets},
-                    {"align", align},
-                    {"l2", num(max_rel_l2)},
-                    {"max", num(max_max_over_rms)},
-                    {"dev_med", opt(device_median_us)},
-                    {"dev_spread", opt(device_spread_us)},
-                    {"dev_n", std::to_string(device_samples)},
-                    {"eager_med", opt(eager_median_us)},
-                    {"eager_spread", opt(eager_spread_us)},
-                    {"eager_n", std::to_string(eager_samples)},
-                    {"noise", num(rel_noise)},
-                    {"throttled", throttled ? "1" : "0"},
-                    {"clk0", clocks_before},
-                    {"clk1", clocks_after}});
+                        {"reason", reason},
+                        {"region", region},
+                        {"arch", std::to_string(arch)},
+                        {"buckets", buckets},
+                        {"align", align},
+                        {"l2", num(max_rel_l2)},
+                        {"max", num(max_max_over_rms)},
+                        {"dev_med", opt(device_median_us)},
+                        {"dev_spread", opt(device_spread_us)},
+                        {"dev_n", std::to_string(device_samples)},
+                        {"eager_med", opt(eager_median_us)},
+                        {"eager_spread", opt(eager_spread_us)},
+                        {"eager_n", std::to_string(eager_samples)},
+                        {"noise", num(rel_noise)},
+                        {"throttled", throttled ? "1" : "0"},
+                        {"clk0", clocks_before},
+                        {"clk1", clocks_after}});
 }
 
 std::optional<Measured> Measured::decode(const std::string& text, std::string* problem) {
@@ -277,7 +277,8 @@ std::vector<Case> make_cases(const std::string& op, Grid grid,
   auto fit = [&](std::map<std::string, int64_t> d) {  // sizes the contract requires multiples of
     for (auto& [name, v] : d) {
       auto m = c.dim_multiples.find(name);
-      if (m != c.dim_multiples.end() && m->second > 1) v = (v + m->second - 1) / m->second * m->second;
+      if (m != c.dim_multiples.end() && m->second > 1)
+        v = (v + m->second - 1) / m->second * m->second;
     }
     return d;
   };
@@ -303,13 +304,15 @@ std::vector<Case> make_cases(const std::string& op, Grid grid,
   for (;;) {
     int64_t elems = 1;
     for (const auto& [k, v] : small_base) elems *= std::max<int64_t>(v, 1);
-    auto largest = std::max_element(small_base.begin(), small_base.end(),
-                                    [](const auto& a, const auto& b) { return a.second < b.second; });
+    auto largest =
+        std::max_element(small_base.begin(), small_base.end(),
+                         [](const auto& a, const auto& b) { return a.second < b.second; });
     if (elems <= max_elements || largest == small_base.end() || largest->second <= 1) break;
     largest->second = (largest->second + 1) / 2;
   }
   for (const auto& name : c.named_dims) {
-    auto range = c.dim_ranges.count(name) ? c.dim_ranges.at(name) : std::make_pair<int64_t, int64_t>(1, 65536);
+    auto range = c.dim_ranges.count(name) ? c.dim_ranges.at(name)
+                                          : std::make_pair<int64_t, int64_t>(1, 65536);
     for (int64_t v : edge_sizes(range.first, range.second, full)) {
       auto d = small_base;
       d[name] = v;
@@ -349,7 +352,8 @@ std::vector<Case> make_cases(const std::string& op, Grid grid,
         v.seed = s;
         v.regime = kRegimes[r];
         if (k.scalars == default_scalars) {
-          for (const auto& [name, values] : c.scalar_test_values) v.scalars[name] = values[r % values.size()];
+          for (const auto& [name, values] : c.scalar_test_values)
+            v.scalars[name] = values[r % values.size()];
         }
         if (emitted.insert(v.id() + "/" + std::to_string(s)).second) out.push_back(v);
       }

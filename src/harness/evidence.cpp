@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <iterator>
 #include <set>
 #include <stdexcept>
@@ -70,8 +71,9 @@ std::vector<std::string> op_source_files(const std::string& op) {
   std::vector<std::string> files;
   for (const auto& entry : kernelgate_file_hashes) {
     const std::string path = entry[0];
-    bool used = std::any_of(std::begin(kernelgate_shared_sources), std::end(kernelgate_shared_sources),
-                            [&](const char* shared) { return path == shared; });
+    bool used =
+        std::any_of(std::begin(kernelgate_shared_sources), std::end(kernelgate_shared_sources),
+                    [&](const char* shared) { return path == shared; });
     for (const auto& stem : stems) used = used || of_stem(path, stem);
     if (used) files.push_back(path);
   }
@@ -203,8 +205,15 @@ UsableEvidence usable_evidence(const std::string& user_db,
     return rows;
   };
   std::set<std::string> covered;  // regions the user's own evidence speaks for
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const bool user_exists = fs::symlink_status(user_db, ec).type() != fs::file_type::not_found;
   if (auto user = store::Store::open(user_db, store::Mode::kReadOnly); !user) {
-    out.problems.push_back("store not used: " + user.problem);
+    // No store yet is the normal first run, not a problem: bench run creates it.
+    if (user_exists)
+      out.problems.push_back("store not used: " + user.problem);
+    else
+      out.notes.push_back("no store at " + user_db + " yet (kernelgate bench run makes one)");
   } else {
     try {
       EvidenceSet set{false, "evidence in " + user_db, read(*user.store, false)};
@@ -446,6 +455,7 @@ void LazyEvidencePolicy::load() const {
   std::call_once(once_, [this] {
     const UsableEvidence evidence = usable_evidence(user_db_, shipped_, fingerprints_);
     policy_ = std::make_unique<EvidencePolicy>(evidence);
+    problems_ = evidence.problems;
     std::vector<std::string> parts = evidence.problems;
     if (!policy_->describe().empty()) parts.push_back(policy_->describe());
     for (const auto& p : parts) status_ += (status_.empty() ? "" : "; ") + p;
@@ -461,6 +471,11 @@ std::vector<std::string> LazyEvidencePolicy::ranked(const std::string& op, const
 std::string LazyEvidencePolicy::describe() const {
   load();
   return status_;
+}
+
+std::vector<std::string> LazyEvidencePolicy::problems() const {
+  load();
+  return problems_;
 }
 
 }  // namespace kernelgate::harness

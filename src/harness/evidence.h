@@ -61,8 +61,8 @@ struct UsableEvidence {
   // The user's store first (when it could be read), then the shipped evidence (when any row
   // applies). No region has rows in two sets.
   std::vector<EvidenceSet> sets;
-  std::vector<std::string> notes;     // per source used: what it gave, for people
-  std::vector<std::string> problems;  // per source left out: why
+  std::vector<std::string> notes;     // per source used (or user store not made yet): for people
+  std::vector<std::string> problems;  // per existing source left out: why
 };
 
 // The one rule for which evidence serves this process, for the ops of `fingerprints`:
@@ -142,6 +142,7 @@ class LazyEvidencePolicy final : public PolicySource {
   std::vector<std::string> ranked(const std::string& op, const DispatchKey& key,
                                   std::string* evidence) const override;
   std::string describe() const override;
+  std::vector<std::string> problems() const override;
 
  private:
   void load() const;
@@ -153,6 +154,7 @@ class LazyEvidencePolicy final : public PolicySource {
   mutable std::once_flag once_;
   mutable std::unique_ptr<EvidencePolicy> policy_;
   mutable std::string status_;
+  mutable std::vector<std::string> problems_;
 };
 
 }  // namespace kernelgate::harness

@@ -1,6 +1,6 @@
 // The harness facade: cases from an op's contract, validation against the float64 oracle with
-// dispositions, and timing of passing runs. Runs inside a worker process (src/harness/worker_main.cpp);
-// the sweep (sweep.h) drives workers and writes the store.
+// dispositions, and timing of passing runs. Runs inside a worker process
+// (src/harness/worker_main.cpp); the sweep (sweep.h) drives workers and writes the store.
 #pragma once
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>
@@ -30,7 +30,8 @@ struct Case {
   std::string layout = "contiguous";  // contiguous, row_strided, offset, transposed, expanded
   std::string regime = "normal";      // normal, large, small, offset, special
   std::map<std::string, double> scalars;
-  std::map<std::string, std::string> strings;  // string arguments (a call variant), default if absent
+  std::map<std::string, std::string>
+      strings;                // string arguments (a call variant), default if absent
   bool with_optional = true;  // pass optional tensor arguments (e.g. weight)
   bool grad = true;           // validate gradients and time forward+backward
   int seed = 0;
@@ -48,13 +49,14 @@ enum class Grid { kSmoke, kQuick, kFull };
 // production shapes; tiny and degenerate shapes; every accepted dtype; scalar test values;
 // non-contiguous layouts; value regimes. Deterministic. `dtypes` empty = all accepted. Shapes
 // over max_elements (product of the named dims) are left out.
-std::vector<Case> make_cases(const std::string& op, Grid grid, const std::vector<std::string>& dtypes,
-                             int seeds, int64_t max_elements);
+std::vector<Case> make_cases(const std::string& op, Grid grid,
+                             const std::vector<std::string>& dtypes, int seeds,
+                             int64_t max_elements);
 
 struct Measured {
   store::Disposition disposition = store::Disposition::kPassed;  // its name on the worker wire
   std::string reason;
-  std::string region;      // the dispatch key the call falls in (describe_key)
+  std::string region;  // the dispatch key the call falls in (describe_key)
   int arch = -1;
   std::string buckets, align;
   double max_rel_l2 = 0, max_max_over_rms = 0;  // worst over outputs and gradients
@@ -83,8 +85,9 @@ struct OracleCheck {
   std::string failure;  // empty: passed
   double rel_l2 = 0, max_over_rms = 0, ref_rel_l2 = 0, ref_max_over_rms = 0;
 };
-OracleCheck check_against_oracle(const std::string& name, const at::Tensor& got, const at::Tensor& ref,
-                                 const at::Tensor& oracle, c10::ScalarType dtype);
+OracleCheck check_against_oracle(const std::string& name, const at::Tensor& got,
+                                 const at::Tensor& ref, const at::Tensor& oracle,
+                                 c10::ScalarType dtype);
 
 // A case's call: the op's arguments in schema order and the leaves gradients are taken against
 // (undefined for absent and index tensors), on the CPU or CUDA device 0, at the case's dtype or

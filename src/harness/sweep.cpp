@@ -8,6 +8,7 @@
 #include <mutex>
 #include <set>
 #include <stdexcept>
+#include <thread>
 
 #include "harness/evidence.h"
 #include "harness/worker_pool.h"
@@ -65,6 +66,44 @@ Outcome start_worker(WorkerPool& pool) {
   return pool.request("ping", std::chrono::minutes(5));
 }
 
+// The stored row of one run.
+store::Result to_result(const std::string& op, const std::string& backend,
+                        const std::string& case_id, const Case& c, const Measured& m,
+                        int device_arch) {
+  store::Result r;
+  r.op = op;
+  r.backend = backend;
+  r.case_id = case_id;
+  r.arch = m.arch;
+  r.dtype = c.dtype;
+  r.buckets = m.buckets;
+  r.region = m.region.empty() ? case_region(c, device_arch) : m.region;
+  r.align = m.align;
+  r.grad = c.grad;
+  r.shape = dims_text(c);
+  r.layout = c.layout;
+  r.regime = c.regime;
+  r.seed = c.seed;
+  r.disposition = m.disposition;
+  r.reason = m.reason;
+  if (m.disposition == store::Disposition::kPassed ||
+      m.disposition == store::Disposition::kIncorrect) {
+    r.max_rel_l2 = m.max_rel_l2;
+    r.max_max_over_rms = m.max_max_over_rms;
+  }
+  r.device_median_us = m.device_median_us;
+  r.device_spread_us = m.device_spread_us;
+  r.device_samples = m.device_samples;
+  r.eager_median_us = m.eager_median_us;
+  r.eager_spread_us = m.eager_spread_us;
+  r.eager_samples = m.eager_samples;
+  if (m.device_median_us) r.rel_noise = m.rel_noise;
+  r.throttled = m.throttled;
+  r.clocks_before = m.clocks_before;
+  r.clocks_after = m.clocks_after;
+  return r;
+}
+
 }  // namespace
 
 SweepReport sweep(const SweepOptions& o) {
@@ -73,9 +112,10 @@ SweepReport sweep(const SweepOptions& o) {
   if (e == nullptr) throw std::runtime_error("unknown op '" + o.op + "'");
   for (const auto& a : e->contract.tensor_args) {
     if (a.dtype_class == DTypeClass::kIndex && !e->contract.index_ranges.count(a.name)) {
-      throw std::runtime_error("cannot sweep " + o.op + " yet: the harness does not generate integer (index) "
-                               "tensors without a range, and its contract gives none for '" + a.name +
-                               "'; calls run the reference until it has evidence");
+      throw std::runtime_error("cannot sweep " + o.op +
+                               " yet: the harness does not generate integer (index) "
+                               "tensors without a range, and its contract gives none for '" +
+                               a.name + "'; calls run the reference until it has evidence");
     }
   }
   if (o.shard_count < 1 || o.shard_index < 0 || o.shard_index >= o.shard_count) {
@@ -102,10 +142,7 @@ SweepReport sweep(const SweepOptions& o) {
   const OpFingerprints fps = current_fingerprints(o.op).at(o.op);
   std::map<std::string, std::string> fingerprint_of;  // backend -> fingerprint id
   std::map<std::string, int64_t> run_of;              // fingerprint id -> this sweep's run
-  for (const auto& b : backends) {
-    const std::string id = fingerprint_of[b] = fps.of(b).id();
-    if (!run_of.count(id)) run_of[id] = db.begin_run(fps.of(b), o.command);
-  }
+  for (const auto& b : backends) fingerprint_of[b] = fps.of(b).id();
 
   const bool gpu = fps.op.gpu_name != "cpu";
   const int device_arch = gpu ? cuda_arch(0) : kCpuArch;
@@ -121,18 +158,13 @@ SweepReport sweep(const SweepOptions& o) {
   report.fingerprint_ids = fingerprint_of;
   report.planned = static_cast<int>(work.size());
   WorkerPool pool(WorkerCommand{o.worker_argv, {}});
+  if (o.interrupted) pool.set_interrupt(o.interrupted);
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(o.case_timeout_s * 1000));
+  // A claim older than this is abandoned (its sweep hung or its host is gone): the longest a run
+  // may take, twice, plus a worker's start.
+  const auto stale_after_s = static_cast<int64_t>(2 * o.case_timeout_s) + 300;
   int done = 0;
-  for (const auto& [c, backend] : work) {
-    // Validation-only rows are kept apart from timed ones, so a later bench run still times.
-    const std::string case_id =
-        c->id() + (o.time ? "" : "/untimed") + "/seed=" + std::to_string(c->seed);
-    ++done;
-    if (db.has_result(fingerprint_of[backend], o.op, backend, case_id)) {
-      ++report.skipped;
-      if (o.progress) o.progress(done, report.planned, "resumed " + backend);
-      continue;
-    }
+  auto run_one = [&](const Case* c, const std::string& backend, const std::string& case_id) {
     Measured m;
     if (!availability[backend].ok) {
       m.disposition = store::Disposition::kUnsupported;
@@ -153,45 +185,51 @@ SweepReport sweep(const SweepOptions& o) {
       m = from_outcome(out);
       std::map<std::string, std::string> fields;
       std::string ignored;
-      if (out.ok() && decode_fields(out.response, &fields, &ignored) && fields[kWorkerExitsField] == "1") {
+      if (out.ok() && decode_fields(out.response, &fields, &ignored) &&
+          fields[kWorkerExitsField] == "1") {
         pool.retire();  // the next run must not reach a worker that is exiting
       }
     }
-    store::Result r;
-    r.op = o.op;
-    r.backend = backend;
-    r.case_id = case_id;
-    r.arch = m.arch;
-    r.dtype = c->dtype;
-    r.buckets = m.buckets;
-    r.region = m.region.empty() ? case_region(*c, device_arch) : m.region;
-    r.align = m.align;
-    r.grad = c->grad;
-    r.shape = dims_text(*c);
-    r.layout = c->layout;
-    r.regime = c->regime;
-    r.seed = c->seed;
-    r.disposition = m.disposition;
-    r.reason = m.reason;
-    if (m.disposition == store::Disposition::kPassed ||
-        m.disposition == store::Disposition::kIncorrect) {
-      r.max_rel_l2 = m.max_rel_l2;
-      r.max_max_over_rms = m.max_max_over_rms;
-    }
-    r.device_median_us = m.device_median_us;
-    r.device_spread_us = m.device_spread_us;
-    r.device_samples = m.device_samples;
-    r.eager_median_us = m.eager_median_us;
-    r.eager_spread_us = m.eager_spread_us;
-    r.eager_samples = m.eager_samples;
-    if (m.device_median_us) r.rel_noise = m.rel_noise;
-    r.throttled = m.throttled;
-    r.clocks_before = m.clocks_before;
-    r.clocks_after = m.clocks_after;
-    db.add_result(run_of[fingerprint_of[backend]], r);
+    store::Result r = to_result(o.op, backend, case_id, *c, m, device_arch);
+    const std::string& id = fingerprint_of[backend];
+    if (!run_of.count(id)) run_of[id] = db.begin_run(fps.of(backend), o.command);
+    db.add_result(run_of[id], r);
     const std::string disposition(store::to_string(m.disposition));
     report.dispositions[disposition]++;
     if (o.progress) o.progress(done, report.planned, backend + " " + disposition);
+  };
+  // Each run is claimed first: what another sweep into the same store is running is left to it
+  // and looked at again once this sweep has run everything else.
+  struct Pending {
+    const Case* c;
+    std::string backend, case_id;
+  };
+  std::vector<Pending> deferred;
+  auto attempt = [&](const Pending& p) {
+    if (o.interrupted && o.interrupted()) throw Interrupted();
+    switch (db.claim(fingerprint_of[p.backend], o.op, p.backend, p.case_id, stale_after_s)) {
+      case store::Store::Claim::kDone:
+        ++done;
+        ++report.skipped;
+        if (o.progress) o.progress(done, report.planned, "resumed " + p.backend);
+        return true;
+      case store::Store::Claim::kTaken: return false;
+      case store::Store::Claim::kMine:
+        ++done;
+        run_one(p.c, p.backend, p.case_id);
+        return true;
+    }
+    return false;
+  };
+  for (const auto& [c, backend] : work) {
+    // Validation-only rows are kept apart from timed ones, so a later bench run still times.
+    Pending p{c, backend,
+              c->id() + (o.time ? "" : "/untimed") + "/seed=" + std::to_string(c->seed)};
+    if (!attempt(p)) deferred.push_back(std::move(p));
+  }
+  while (!deferred.empty()) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    std::erase_if(deferred, attempt);
   }
   report.worker_restarts = pool.restarts();
   report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

@@ -33,19 +33,24 @@ struct SweepOptions {
   std::vector<std::string> worker_argv;  // kernelgate-worker [--load plugin.so ...]
   std::string command;                   // recorded with the run
   std::function<void(int done, int total, const std::string& what)> progress;
+  // Asked before each run and while one waits (every 20 ms): true stops the sweep, which throws
+  // Interrupted (worker_pool.h); what it stored is kept, the run in flight is not stored.
+  std::function<bool()> interrupted;
 };
 
 struct SweepReport {
-  std::string fingerprint_id;                         // the op's (every backend without a version)
+  std::string fingerprint_id;                          // the op's (every backend without a version)
   std::map<std::string, std::string> fingerprint_ids;  // backend -> the one its rows are under
-  int planned = 0;   // (case, seed, backend) runs in this shard
-  int skipped = 0;   // already in the store for their backend's fingerprint (resumed)
+  int planned = 0;                                     // (case, seed, backend) runs in this shard
+  int skipped = 0;  // already in the store for their backend's fingerprint (resumed)
   std::map<std::string, int> dispositions;
   int worker_restarts = 0;
   double seconds = 0;
 };
 
 // Throws std::runtime_error for configuration errors (unknown op or backend, unusable store).
+// A run row is written with the first result under its fingerprint: a sweep that measured
+// nothing (everything resumed, or interrupted first) stores nothing.
 SweepReport sweep(const SweepOptions& options);
 
 }  // namespace kernelgate::harness

@@ -64,7 +64,8 @@ Metrics metrics(const Tensor& got, const Tensor& oracle, const Tensor& finite) {
   const Tensor zero = at::zeros({}, oracle.options());
   const Tensor o = at::where(finite, oracle, zero);
   const Tensor diff = at::where(finite, (got.to(at::kDouble) - oracle).abs(), zero);
-  const Tensor v = at::stack({finite.sum().to(at::kDouble), o.norm(), diff.norm(), diff.max()}).cpu();
+  const Tensor v =
+      at::stack({finite.sum().to(at::kDouble), o.norm(), diff.norm(), diff.max()}).cpu();
   const double* d = v.data_ptr<double>();
   const double n = d[0], norm = d[1];
   if (n == 0) return {};
@@ -74,8 +75,9 @@ Metrics metrics(const Tensor& got, const Tensor& oracle, const Tensor& finite) {
 
 }  // namespace
 
-OracleCheck check_against_oracle(const std::string& name, const Tensor& got_in, const Tensor& ref_in,
-                                 const Tensor& oracle_in, at::ScalarType dtype) {
+OracleCheck check_against_oracle(const std::string& name, const Tensor& got_in,
+                                 const Tensor& ref_in, const Tensor& oracle_in,
+                                 at::ScalarType dtype) {
   OracleCheck out;
   auto fail = [&](std::string why) {
     out.failure = std::move(why);
@@ -89,8 +91,8 @@ OracleCheck check_against_oracle(const std::string& name, const Tensor& got_in, 
                 c10::str(oracle.sizes()));
   }
   if (got.scalar_type() != ref.scalar_type()) {
-    return fail(name + ": dtype " + dtype_name(got.scalar_type()) + " differs from the reference's " +
-                dtype_name(ref.scalar_type()));
+    return fail(name + ": dtype " + dtype_name(got.scalar_type()) +
+                " differs from the reference's " + dtype_name(ref.scalar_type()));
   }
   Tensor gd = got.to(at::kDouble);
   if (!at::equal(gd.isnan(), oracle.isnan())) {
@@ -102,7 +104,8 @@ OracleCheck check_against_oracle(const std::string& name, const Tensor& got_in, 
   // (a float16 sum over 1e5) is an Inf in any correct result of that dtype.
   const Tensor held = oracle.to(got.scalar_type()).to(at::kDouble);
   Tensor oi = held.isinf(), gi = gd.isinf();
-  if (!at::equal(oi, gi) || !at::equal(held.masked_select(oi).sign(), gd.masked_select(gi).sign())) {
+  if (!at::equal(oi, gi) ||
+      !at::equal(held.masked_select(oi).sign(), gd.masked_select(gi).sign())) {
     return fail(name + ": Inf pattern differs from the oracle");
   }
   Tensor finite = held.isfinite();
@@ -115,8 +118,9 @@ OracleCheck check_against_oracle(const std::string& name, const Tensor& got_in, 
   const double fl = floor_for(dtype);
   char buf[256];
   if (g.l2 > kFactor * r.l2 + fl) {
-    std::snprintf(buf, sizeof(buf), "%s: relative L2 error %.3e > %.1f x reference %.3e + floor %.1e",
-                  name.c_str(), g.l2, kFactor, r.l2, fl);
+    std::snprintf(buf, sizeof(buf),
+                  "%s: relative L2 error %.3e > %.1f x reference %.3e + floor %.1e", name.c_str(),
+                  g.l2, kFactor, r.l2, fl);
     return fail(buf);
   }
   if (g.mx > kFactor * r.mx + fl) {
@@ -178,8 +182,8 @@ Tensor seeded_randn(at::IntArrayRef shape, uint64_t seed, at::Device device) {
   return at::randn(shape, gen, at::TensorOptions().dtype(at::kDouble).device(device));
 }
 
-Tensor values(std::vector<int64_t> shape, const std::string& regime, uint64_t seed, at::Device device,
-              at::ScalarType dtype) {
+Tensor values(std::vector<int64_t> shape, const std::string& regime, uint64_t seed,
+              at::Device device, at::ScalarType dtype) {
   Tensor v = seeded_randn(shape, seed, device);
   // Large, yet within what the dtype holds through an op's sums and products: float16 overflows
   // at 65504 (a matrix product of 5e3-scaled rows overflowed it for every backend, the reference
@@ -229,7 +233,8 @@ std::pair<Inputs, Inputs> make_inputs(const OpContract& c, const Case& k, at::De
       // Class indices in [0, bound), and the op's ignore_index in every 8th entry. Not a leaf:
       // no gradient flows to an index tensor.
       auto range = c.index_ranges.find(spec.name);
-      TORCH_CHECK(range != c.index_ranges.end(), "op ", c.name, " gives no index range for ", spec.name);
+      TORCH_CHECK(range != c.index_ranges.end(), "op ", c.name, " gives no index range for ",
+                  spec.name);
       const int64_t bound = std::max<int64_t>(k.dims.at(range->second), 1);
       Tensor idx;
       if (with_values) {
@@ -265,9 +270,10 @@ std::pair<Inputs, Inputs> make_inputs(const OpContract& c, const Case& k, at::De
       if (layout == "expanded") return logical.narrow(0, 0, 1).clone();
       return logical;
     };
-    Tensor leaf = with_values
-                      ? leaf_of(values(full, a == 0 ? k.regime : "normal", seed, device, dtype)).to(dtype)
-                      : at::empty(leaf_shape, at::TensorOptions().device(device).dtype(dtype));
+    Tensor leaf =
+        with_values
+            ? leaf_of(values(full, a == 0 ? k.regime : "normal", seed, device, dtype)).to(dtype)
+            : at::empty(leaf_shape, at::TensorOptions().device(device).dtype(dtype));
     leaf = leaf.detach().requires_grad_(k.grad);
     Tensor leaf64 = with_values ? leaf.detach().to(at::kDouble).requires_grad_(k.grad) : Tensor();
     auto view = [&](const Tensor& t) -> Tensor {
@@ -301,8 +307,8 @@ CallView call_view(const OpContract& c, const Case& k, const Inputs& in) {
 
 // The op's arguments for a case, in schema order: the tensors, the case's scalars and strings,
 // the schema's defaults for the rest.
-std::vector<c10::IValue> op_arguments(const c10::OperatorHandle& op, const OpContract& c, const Case& k,
-                                      const std::vector<Tensor>& args) {
+std::vector<c10::IValue> op_arguments(const c10::OperatorHandle& op, const OpContract& c,
+                                      const Case& k, const std::vector<Tensor>& args) {
   std::vector<c10::IValue> stack;
   for (const auto& arg : op.schema().arguments()) {
     auto it = std::find_if(c.tensor_args.begin(), c.tensor_args.end(),
@@ -374,7 +380,8 @@ void poison_device_memory(at::Device device) {
     std::vector<Tensor> blocks;
     blocks.push_back(at::empty({int64_t{1} << 26}, at::TensorOptions().device(device)));
     for (int i = 0; i < 16; ++i) {
-      blocks.push_back(at::empty({(int64_t{1} << 18) - 64 * i}, at::TensorOptions().device(device)));
+      blocks.push_back(
+          at::empty({(int64_t{1} << 18) - 64 * i}, at::TensorOptions().device(device)));
     }
     for (auto& b : blocks) b.fill_(std::nan(""));
   }
@@ -399,7 +406,8 @@ bool g_device_state_suspect = false;
 // Ends a capture that an exception interrupted, so the stream is usable again.
 void abort_capture(cudaStream_t stream) {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(stream, &status) == cudaSuccess && status != cudaStreamCaptureStatusNone) {
+  if (cudaStreamIsCapturing(stream, &status) == cudaSuccess &&
+      status != cudaStreamCaptureStatusNone) {
     cudaGraph_t partial = nullptr;
     cudaStreamEndCapture(stream, &partial);
     if (partial != nullptr) cudaGraphDestroy(partial);
@@ -454,7 +462,8 @@ void time_run(const std::function<void()>& fn, at::Device device, const RunOptio
     } catch (const c10::Error& e) {
       m->reason = std::string("device time not measured: graph capture failed: ") +
                   e.what_without_backtrace();
-      g_device_state_suspect = true;  // the worker answers, then exits: the next case gets a fresh one
+      g_device_state_suspect =
+          true;  // the worker answers, then exits: the next case gets a fresh one
     }
     ClockReading after = read_clocks(device.index());
     m->clocks_after = after.text;
@@ -465,7 +474,8 @@ void time_run(const std::function<void()>& fn, at::Device device, const RunOptio
     auto timed = [&](const std::function<void()>& body) {
       auto t0 = std::chrono::steady_clock::now();
       body();
-      return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+      return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0)
+          .count();
     };
     while (!eager.done()) eager.add(timed(fn));
     dev = eager;  // no graphs on the CPU: the call is the device time
@@ -491,7 +501,8 @@ void prepare_worker_device() {
 #ifdef KERNELGATE_WITH_CUDA
   // A stream of the worker's own, current for all its work: CUDA-graph capture needs a
   // non-default stream, and inputs made on it keep autograd off the legacy default stream.
-  if (at::cuda::is_available()) at::cuda::setCurrentCUDAStream(at::cuda::getStreamFromPool(false, 0));
+  if (at::cuda::is_available())
+    at::cuda::setCurrentCUDAStream(at::cuda::getStreamFromPool(false, 0));
 #endif
 }
 
@@ -582,7 +593,8 @@ Measured run_case(const Case& k, const std::string& backend, const RunOptions& o
     ora = forward_backward("kernelgate::_" + k.op + "_reference", c, k, oracle_in, cot);
     if (got.size() != ora.size()) {
       return {store::Disposition::kIncorrect, "returned " + std::to_string(got.size()) +
-                                                   " tensors, the oracle " + std::to_string(ora.size())};
+                                                  " tensors, the oracle " +
+                                                  std::to_string(ora.size())};
     }
     std::vector<std::string> names;
     for (size_t i = 0; i < got.size(); ++i) names.push_back("output " + std::to_string(i));

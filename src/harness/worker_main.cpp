@@ -11,8 +11,10 @@
 
 #include "harness/harness.h"
 #include "harness/sweep.h"
+#include "harness/worker_pool.h"
 
 int main(int argc, char** argv) {
+  kernelgate::harness::die_with_parent();
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--load") == 0 && i + 1 < argc) {
       try {

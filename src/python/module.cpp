@@ -10,6 +10,7 @@
 #include "harness/evidence.h"
 #include "harness/harness.h"
 #include "harness/sweep.h"
+#include "harness/worker_pool.h"
 #include "kernelgate/kernelgate.h"
 #include "python/python_ops.h"
 #include "store/store.h"
@@ -34,8 +35,8 @@ CallView to_call(const OpEntry& e, const std::vector<std::optional<at::Tensor>>&
                  std::vector<at::Tensor>& keep) {
   if (tensors.size() != e.contract.tensor_args.size()) {
     throw py::value_error(e.contract.name + " takes " +
-                          std::to_string(e.contract.tensor_args.size()) + " tensor arguments, got " +
-                          std::to_string(tensors.size()));
+                          std::to_string(e.contract.tensor_args.size()) +
+                          " tensor arguments, got " + std::to_string(tensors.size()));
   }
   keep.reserve(tensors.size());
   CallView call;
@@ -76,6 +77,7 @@ py::dict explain(const std::string& op, const std::vector<std::optional<at::Tens
   out["backend"] = ex.backend;
   out["reason"] = ex.reason;
   out["candidates"] = cands;
+  out["evidence_problems"] = ex.evidence_problems;
   return out;
 }
 
@@ -138,16 +140,16 @@ void set_log_hook(py::object fn) {
   // The hook may run on any thread that calls an op; take the GIL, and never let a Python error
   // escape into the dispatcher.
   auto holder = std::make_shared<py::object>(std::move(fn));
-  Dispatcher::get().set_log_hook([holder](LogLevel level, const std::string& op,
-                                          const std::string& msg) {
-    if (!Py_IsInitialized()) return;
-    py::gil_scoped_acquire gil;
-    try {
-      (*holder)(level == LogLevel::kWarning ? "warning" : "info", op, msg);
-    } catch (py::error_already_set& err) {
-      err.discard_as_unraisable("kernelgate log hook");
-    }
-  });
+  Dispatcher::get().set_log_hook(
+      [holder](LogLevel level, const std::string& op, const std::string& msg) {
+        if (!Py_IsInitialized()) return;
+        py::gil_scoped_acquire gil;
+        try {
+          (*holder)(level == LogLevel::kWarning ? "warning" : "info", op, msg);
+        } catch (py::error_already_set& err) {
+          err.discard_as_unraisable("kernelgate log hook");
+        }
+      });
 }
 
 py::dict fingerprint_dict(const store::Fingerprint& f) {
@@ -179,8 +181,9 @@ py::dict run_sweep(const std::string& op, const std::vector<std::string>& backen
   if (grid != "smoke" && grid != "quick" && grid != "full") {
     throw py::value_error("grid must be 'smoke', 'quick' or 'full', got '" + grid + "'");
   }
-  o.grid = grid == "full" ? harness::Grid::kFull
-                          : grid == "smoke" ? harness::Grid::kSmoke : harness::Grid::kQuick;
+  o.grid = grid == "full"    ? harness::Grid::kFull
+           : grid == "smoke" ? harness::Grid::kSmoke
+                             : harness::Grid::kQuick;
   o.seeds = seeds;
   o.shard_index = shard_index;
   o.shard_count = shard_count;
@@ -196,10 +199,21 @@ py::dict run_sweep(const std::string& op, const std::vector<std::string>& backen
       progress(done, total, what);
     };
   }
+  // Ctrl-C reaches Python's handler, which only flags it: the sweep asks between polls, and
+  // stops with what it stored kept; the KeyboardInterrupt is raised here.
+  bool interrupted = false;
+  o.interrupted = [&interrupted] {
+    py::gil_scoped_acquire gil;
+    if (PyErr_CheckSignals() != 0) interrupted = true;
+    return interrupted;
+  };
   harness::SweepReport r;
-  {
+  try {
     py::gil_scoped_release release;
     r = harness::sweep(o);
+  } catch (const harness::Interrupted&) {
+    if (PyErr_Occurred() == nullptr) PyErr_SetNone(PyExc_KeyboardInterrupt);
+    throw py::error_already_set();
   }
   py::dict d;
   d["fingerprint_id"] = r.fingerprint_id;
@@ -306,7 +320,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("explain", &explain, py::arg("op"), py::arg("tensors"), py::arg("grad") = false,
         py::arg("strings") = std::map<std::string, std::string>{}, py::arg("device") = py::none(),
         "The decision for a call, with every candidate's reason");
-  m.def("force", [](const std::string& op, const std::string& b) { Dispatcher::get().force(op, b); });
+  m.def("force",
+        [](const std::string& op, const std::string& b) { Dispatcher::get().force(op, b); });
   m.def("exclude",
         [](const std::string& op, const std::string& b) { Dispatcher::get().exclude(op, b); });
   m.def("get_overrides", [] {
@@ -321,13 +336,13 @@ PYBIND11_MODULE(_C, m) {
   m.def("reset_log_once", [] { Dispatcher::get().reset_log_once(); });
   m.def(
       "add_policy_rule",
-      [](const std::string& op, const std::vector<std::string>& ranked, int arch,
-         py::object dtype, const std::vector<int>& max_buckets, int align, int grad,
-         const std::string& evidence) {
+      [](const std::string& op, const std::vector<std::string>& ranked, int arch, py::object dtype,
+         const std::vector<int>& max_buckets, int align, int grad, const std::string& evidence) {
         find(op);
         int st = -1;
         if (!dtype.is_none()) {
-          if (!THPDtype_Check(dtype.ptr())) throw py::type_error("dtype must be a torch.dtype or None");
+          if (!THPDtype_Check(dtype.ptr()))
+            throw py::type_error("dtype must be a torch.dtype or None");
           st = static_cast<int>(reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type);
         }
         PolicyRule r{op, arch, st, max_buckets, align, grad, ranked, evidence};
@@ -376,8 +391,9 @@ PYBIND11_MODULE(_C, m) {
         if (grid != "smoke" && grid != "quick" && grid != "full") {
           throw py::value_error("grid must be 'smoke', 'quick' or 'full', got '" + grid + "'");
         }
-        const auto g = grid == "full" ? harness::Grid::kFull
-                       : grid == "smoke" ? harness::Grid::kSmoke : harness::Grid::kQuick;
+        const auto g = grid == "full"    ? harness::Grid::kFull
+                       : grid == "smoke" ? harness::Grid::kSmoke
+                                         : harness::Grid::kQuick;
         std::vector<std::pair<std::string, std::string>> out;
         for (const auto& c : harness::make_cases(op, g, dtypes, seeds, max_elements)) {
           out.emplace_back(c.id() + "/seed=" + std::to_string(c.seed), c.encode());
@@ -422,37 +438,39 @@ PYBIND11_MODULE(_C, m) {
         return py::make_tuple(args, leaves);
       },
       py::arg("case"), py::arg("on_gpu") = false, py::arg("float64") = false);
-  m.def(
-      "check_against_oracle",
-      [](const std::string& name, const at::Tensor& got, const at::Tensor& ref, const at::Tensor& oracle,
-         py::object dtype) {
-        if (!THPDtype_Check(dtype.ptr())) throw py::type_error("dtype must be a torch.dtype");
-        auto r = harness::check_against_oracle(name, got, ref, oracle,
-                                               reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type);
-        py::dict d;
-        d["failure"] = r.failure;
-        d["rel_l2"] = r.rel_l2;
-        d["max_over_rms"] = r.max_over_rms;
-        d["ref_rel_l2"] = r.ref_rel_l2;
-        d["ref_max_over_rms"] = r.ref_max_over_rms;
-        return d;
-      });
+  m.def("check_against_oracle",
+        [](const std::string& name, const at::Tensor& got, const at::Tensor& ref,
+           const at::Tensor& oracle, py::object dtype) {
+          if (!THPDtype_Check(dtype.ptr())) throw py::type_error("dtype must be a torch.dtype");
+          auto r = harness::check_against_oracle(
+              name, got, ref, oracle, reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type);
+          py::dict d;
+          d["failure"] = r.failure;
+          d["rel_l2"] = r.rel_l2;
+          d["max_over_rms"] = r.max_over_rms;
+          d["ref_rel_l2"] = r.ref_rel_l2;
+          d["ref_max_over_rms"] = r.ref_max_over_rms;
+          return d;
+        });
   m.def("fast_op", [](const std::string& name, py::object fallback) {
     auto op = std::make_shared<FastOp>(name);
     // A builtin function (torch.compile can substitute it), falling back to `fallback` (the
     // torch.ops overload) for what it does not take.
-    return py::cpp_function([op, fallback](py::args args, py::kwargs kwargs) -> py::object {
-      if (kwargs.empty()) {
-        py::object out = op->call(args);
-        if (!out.is(py::handle(Py_NotImplemented))) return out;
-      }
-      return fallback(*args, **kwargs);
-    }, py::name(name.c_str()));
+    return py::cpp_function(
+        [op, fallback](py::args args, py::kwargs kwargs) -> py::object {
+          if (kwargs.empty()) {
+            py::object out = op->call(args);
+            if (!out.is(py::handle(Py_NotImplemented))) return out;
+          }
+          return fallback(*args, **kwargs);
+        },
+        py::name(name.c_str()));
   });
   m.def("register_backend", &register_python_backend, py::arg("op"), py::arg("name"),
         py::arg("forward"), py::arg("backward"), py::arg("can_implement"), py::arg("available"),
         py::arg("reason"), py::arg("version"));
   m.def("define_op", [](const py::dict& spec) { return static_cast<int>(define_python_op(spec)); });
+  m.def("die_with_parent", &harness::die_with_parent);
   m.def("serve_worker", [] {
     py::gil_scoped_release release;  // Python backends take it when they run
     return harness::serve_worker();

@@ -271,9 +271,9 @@ class DocumentReader {
       }
       format_ = true;
     } else if (member_ == "schema_version") {
-      if (!v.is_number_integer() || v.get<int64_t>() != kSchemaVersion) {
+      if (!v.is_number_integer() || v.get<int64_t>() != kExchangeVersion) {
         throw SourceError("schema_version " + v.dump() + " is not " +
-                          std::to_string(kSchemaVersion) + ", the only version this build reads");
+                          std::to_string(kExchangeVersion) + ", the only version this build reads");
       }
       version_ = true;
     }
@@ -312,9 +312,9 @@ class DocumentReader {
 
   RowSink& sink_;
   MemberNames names_;
-  std::string member_;   // the document's member being read
-  std::string section_;  // the row array being read, or empty
-  size_t row_ = 0;       // index of the row being read in section_
+  std::string member_;      // the document's member being read
+  std::string section_;     // the row array being read, or empty
+  size_t row_ = 0;          // index of the row being read in section_
   std::string row_member_;  // the member of that row being read
   bool format_ = false, version_ = false;
 };
@@ -324,7 +324,7 @@ class JsonWriter final : public RowSink {
  public:
   explicit JsonWriter(std::ostream& out) : out_(out) {
     out_ << "{\n\"format\": " << json(kApplicationName).dump()
-         << ",\n\"schema_version\": " << kSchemaVersion;
+         << ",\n\"schema_version\": " << kExchangeVersion;
   }
 
   void begin(const std::string& section) override {
@@ -412,7 +412,7 @@ void Store::export_json(const std::string& json_path) const {
   // symbolic links: the link stays a link); anything else is refused, never replaced.
   if (std::string why = detail::unwritable_reason(json_path); !why.empty()) {
     fail(path_, "cannot export to " + json_path + ": it " + why +
-                "; export writes only a regular file or a new path");
+                    "; export writes only a regular file or a new path");
   }
   std::error_code ec;
   const std::string target = std::filesystem::exists(json_path, ec)

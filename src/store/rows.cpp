@@ -70,10 +70,10 @@ ResultInserter::ResultInserter(sqlite3* db, const std::string& path, bool skip_d
       path_(path),
       stmt_(db, path,
             "INSERT INTO results (run_id, fingerprint_id, " + column_list(kResultColumns) +
-                ") VALUES (" +
-                placeholders(1, static_cast<int>(std::size(kResultColumns)) + 2) + ")" +
-                (skip_duplicates ? " ON CONFLICT (run_id, op, backend, case_id) DO NOTHING"
-                                 : "")) {}
+                ") VALUES (" + placeholders(1, static_cast<int>(std::size(kResultColumns)) + 2) +
+                ")" +
+                (skip_duplicates ? " ON CONFLICT (run_id, op, backend, case_id) DO NOTHING" : "")) {
+}
 
 bool ResultInserter::insert(int64_t run_id, const std::string& fingerprint_id, const Result& r) {
   stmt_.reset();
@@ -129,8 +129,8 @@ Importer::Importer(sqlite3* db, const std::string& path)
 
 void Importer::fingerprint(const std::string& id, const Fingerprint& fp) {
   if (id != fp.id()) {
-    throw SourceError("fingerprint " + id + " does not match its fields (they hash to " +
-                      fp.id() + ")");
+    throw SourceError("fingerprint " + id + " does not match its fields (they hash to " + fp.id() +
+                      ")");
   }
   fingerprints_.insert(id);
   stats_.fingerprints_added += insert_fingerprint(db_, path_, id, fp);

@@ -13,6 +13,9 @@
 #include <filesystem>
 #include <random>
 
+#include <signal.h>
+#include <unistd.h>
+
 #include "store/store_internal.h"
 
 namespace kernelgate::store {
@@ -37,7 +40,11 @@ std::string random_uuid() {
 }  // namespace
 
 Store::Store(sqlite3* db, std::string path, Mode mode, int schema_version)
-    : db_(db), path_(std::move(path)), mode_(mode), schema_version_(schema_version) {}
+    : db_(db),
+      path_(std::move(path)),
+      mode_(mode),
+      schema_version_(schema_version),
+      owner_(random_uuid()) {}
 
 Store::~Store() { sqlite3_close_v2(db_); }
 
@@ -86,8 +93,58 @@ void Store::add_result(int64_t run_id, const Result& result) {
     Stmt run(db_, path_, "SELECT fingerprint_id FROM runs WHERE id = ?1");
     run.bind(1, run_id);
     if (!run.step()) fail(path_, "no run with id " + std::to_string(run_id));
-    ResultInserter(db_, path_, /*skip_duplicates=*/false)
-        .insert(run_id, run.get<std::string>(0), row);
+    const std::string fingerprint_id = run.get<std::string>(0);
+    ResultInserter(db_, path_, /*skip_duplicates=*/false).insert(run_id, fingerprint_id, row);
+    if (schema_version_ >= 2) {
+      Stmt drop(db_, path_,
+                "DELETE FROM claims WHERE fingerprint_id = ?1 AND op = ?2 AND backend = ?3 "
+                "AND case_id = ?4");
+      drop.bind(1, fingerprint_id);
+      drop.bind(2, row.op);
+      drop.bind(3, row.backend);
+      drop.bind(4, row.case_id);
+      drop.step();
+    }
+  });
+}
+
+Store::Claim Store::claim(const std::string& fingerprint_id, const std::string& op,
+                          const std::string& backend, const std::string& case_id,
+                          int64_t stale_after_s) {
+  require_writable(*this);
+  char host[256] = {};
+  ::gethostname(host, sizeof(host) - 1);
+  const int64_t now = unix_now(), pid = ::getpid();
+  return write_txn(db_, path_, [&] {
+    if (has_result(fingerprint_id, op, backend, case_id)) return Claim::kDone;
+    Stmt held(db_, path_,
+              "SELECT owner, host, pid, claimed_at FROM claims WHERE fingerprint_id = ?1 AND "
+              "op = ?2 AND backend = ?3 AND case_id = ?4");
+    held.bind(1, fingerprint_id);
+    held.bind(2, op);
+    held.bind(3, backend);
+    held.bind(4, case_id);
+    if (held.step() && held.get<std::string>(0) != owner_) {
+      const bool here = held.get<std::string>(1) == host;
+      const auto other = static_cast<pid_t>(held.get<int64_t>(2));
+      const bool alive = !here || ::kill(other, 0) == 0 || errno == EPERM;
+      if (alive && now - held.get<int64_t>(3) < stale_after_s) return Claim::kTaken;
+    }
+    Stmt take(db_, path_,
+              "INSERT INTO claims (fingerprint_id, op, backend, case_id, owner, host, pid, "
+              "claimed_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8) ON CONFLICT DO UPDATE SET "
+              "owner = excluded.owner, host = excluded.host, pid = excluded.pid, "
+              "claimed_at = excluded.claimed_at");
+    take.bind(1, fingerprint_id);
+    take.bind(2, op);
+    take.bind(3, backend);
+    take.bind(4, case_id);
+    take.bind(5, owner_);
+    take.bind(6, std::string(host));
+    take.bind(7, pid);
+    take.bind(8, now);
+    take.step();
+    return Claim::kMine;
   });
 }
 

@@ -8,6 +8,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -71,7 +72,16 @@ CREATE TABLE results (
 CREATE INDEX results_by_case ON results (fingerprint_id, op, backend, case_id);
 )sql";
 
-constexpr Migration kMigrations[] = {{1, kSchemaV1}};
+// Schema version 2: claims, so that concurrent sweeps into one store share the work
+// (Store::claim). Readers never look at them.
+constexpr std::string_view kSchemaV2 = R"sql(
+CREATE TABLE claims (
+  fingerprint_id TEXT NOT NULL, op TEXT NOT NULL, backend TEXT NOT NULL, case_id TEXT NOT NULL,
+  owner TEXT NOT NULL, host TEXT NOT NULL, pid INTEGER NOT NULL, claimed_at INTEGER NOT NULL,
+  PRIMARY KEY (fingerprint_id, op, backend, case_id));
+)sql";
+
+constexpr Migration kMigrations[] = {{1, kSchemaV1}, {2, kSchemaV2, /*readers_unaffected=*/true}};
 static_assert(std::size(kMigrations) == kSchemaVersion, "one step per schema version");
 
 // A reason the file cannot be used; becomes OpenResult::problem.
@@ -210,8 +220,9 @@ std::string detail::unwritable_reason(const std::string& path) {
   if (::stat(path.c_str(), &st) != 0) {
     if (errno != ENOENT) return std::string("cannot be inspected (") + std::strerror(errno) + ")";
     struct stat link;
-    if (::lstat(path.c_str(), &link) == 0) return "is a symbolic link to a missing file";
-    return "";  // a new path
+    if (::lstat(path.c_str(), &link) != 0) return "";  // a new path
+    if (S_ISLNK(link.st_mode)) return "is a symbolic link to a missing file";
+    st = link;  // created between the two looks (another process opening the same new store)
   }
   if (S_ISREG(st.st_mode)) return "";
   if (S_ISDIR(st.st_mode)) return "is a directory, not a file";
@@ -241,7 +252,8 @@ OpenResult Store::open(const std::string& path, Mode mode, std::span<const Migra
     // Decided before anything opens the path: SQLite would block on a FIFO, and write beside
     // (or into) a device.
     if (std::string why = unwritable_reason(path); !why.empty()) {
-      throw Problem{"evidence store " + path + " " + why + "; the store must be a regular file or a new path"};
+      throw Problem{"evidence store " + path + " " + why +
+                    "; the store must be a regular file or a new path"};
     }
     std::error_code ec;
     bool exists = fs::exists(path, ec);
@@ -269,7 +281,10 @@ OpenResult Store::open(const std::string& path, Mode mode, std::span<const Migra
                       "new path or a store of its own"};
       }
       if (mode == Mode::kReadOnly) {
-        if (c.empty || c.version < known) {
+        const bool readable = std::all_of(steps.begin(), steps.end(), [&](const Migration& m) {
+          return m.to_version <= c.version || m.readers_unaffected;
+        });
+        if (c.empty || !readable) {
           throw Problem{"evidence store " + path +
                         (c.empty
                              ? std::string(" is empty (a read-only open does not initialise it)")

@@ -58,8 +58,8 @@ inline const FingerprintColumn kFingerprintIdentity[] = {
     {"source_hash", &Fingerprint::source_hash},
 };
 
-using ResultColumn = Column<Result, std::string, int, int64_t, bool, double,
-                            std::optional<double>, Disposition>;
+using ResultColumn =
+    Column<Result, std::string, int, int64_t, bool, double, std::optional<double>, Disposition>;
 inline const ResultColumn kResultColumns[] = {
     {"op", &Result::op},
     {"backend", &Result::backend},

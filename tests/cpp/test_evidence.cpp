@@ -224,15 +224,20 @@ TEST_F(EvidenceTest, ShippedEvidenceServesOnlyRegionsTheUserStoreSaysNothingAbou
 TEST_F(EvidenceTest, ASourceThatCannotBeReadIsLeftOutWithTheReason) {
   const std::string missing = path("missing.sqlite"), garbage = path("garbage.sqlite");
   std::ofstream(garbage) << "not a store";
-  const auto evidence = usable_evidence(missing, {garbage}, current("code=v1"));
+  const auto evidence = usable_evidence(garbage, {garbage}, current("code=v1"));
   EXPECT_TRUE(evidence.sets.empty());
   EXPECT_TRUE(evidence.notes.empty());
   ASSERT_EQ(evidence.problems.size(), 2u);
   EXPECT_EQ(evidence.problems[0].rfind("store not used: ", 0), 0u) << evidence.problems[0];
-  EXPECT_NE(evidence.problems[0].find(missing), std::string::npos) << evidence.problems[0];
+  EXPECT_NE(evidence.problems[0].find(garbage), std::string::npos) << evidence.problems[0];
   EXPECT_EQ(evidence.problems[1].rfind("shipped evidence not used: ", 0), 0u)
       << evidence.problems[1];
   EXPECT_EQ(EvidencePolicy(evidence).describe(), "");
+  // A user store not made yet is the first run, not a problem.
+  const auto first_run = usable_evidence(missing, {}, current("code=v1"));
+  EXPECT_TRUE(first_run.problems.empty());
+  ASSERT_EQ(first_run.notes.size(), 1u);
+  EXPECT_NE(first_run.notes[0].find(missing), std::string::npos) << first_run.notes[0];
 }
 
 TEST(Fingerprints, ShippedEvidenceRule) {

@@ -536,7 +536,7 @@ TEST_F(StoreTest, PathsWithUriCharactersWork) {
 TEST_F(StoreTest, NewerSchemaIsRefusedUntouched) {
   const std::string file = make_store("n.sqlite", 2, sample_fingerprint());
   raw_sql(file, "UPDATE meta SET value = '7' WHERE key = 'schema_version'");
-  expect_refused(file, "schema version 7, newer than 1");
+  expect_refused(file, "schema version 7, newer than " + std::to_string(kSchemaVersion));
 }
 
 TEST_F(StoreTest, ReadOnlyOpenOfMissingFileCreatesNothing) {
@@ -627,37 +627,99 @@ TEST_F(StoreTest, ExportNeverReplacesWhatThePathIs) {
 
 TEST_F(StoreTest, MigrationStepsRunInOrderAndRecordTheVersion) {
   const std::string file = make_store("m.sqlite", 5, sample_fingerprint());
+  constexpr int a = kSchemaVersion + 1, b = kSchemaVersion + 2;
   std::vector<Migration> steps(schema_migrations().begin(), schema_migrations().end());
-  steps.push_back({2, "CREATE TABLE probe (step INTEGER); INSERT INTO probe VALUES (2);"});
-  steps.push_back({3, "INSERT INTO probe VALUES (3); ALTER TABLE results ADD COLUMN note TEXT;"});
+  steps.push_back({a, "CREATE TABLE probe (step INTEGER); INSERT INTO probe VALUES (1);"});
+  steps.push_back({b, "INSERT INTO probe VALUES (2); ALTER TABLE results ADD COLUMN note TEXT;"});
 
   // A read-only open does not migrate.
   EXPECT_FALSE(Store::open(file, Mode::kReadOnly, steps));
   {
     OpenResult r = Store::open(file, Mode::kReadWrite, steps);
     ASSERT_TRUE(r) << r.problem;
-    EXPECT_EQ(r.store->schema_version(), 3);
+    EXPECT_EQ(r.store->schema_version(), b);
     EXPECT_EQ(r.store->results(sample_fingerprint().id()).size(), 5u);  // data kept
   }
-  EXPECT_EQ(raw_sql(file, "SELECT step FROM probe ORDER BY rowid"), "2\n3\n");
-  EXPECT_EQ(raw_sql(file, "SELECT value FROM meta WHERE key = 'schema_version'"), "3\n");
+  EXPECT_EQ(raw_sql(file, "SELECT step FROM probe ORDER BY rowid"), "1\n2\n");
+  EXPECT_EQ(raw_sql(file, "SELECT value FROM meta WHERE key = 'schema_version'"),
+            std::to_string(b) + "\n");
   // Reopening applies nothing twice.
   ASSERT_TRUE(Store::open(file, Mode::kReadWrite, steps));
   EXPECT_EQ(raw_sql(file, "SELECT count(*) FROM probe"), "2\n");
-  // This build (version 1) now refuses it.
+  // This build now refuses it.
   EXPECT_FALSE(Store::open(file, Mode::kReadWrite));
 }
 
 TEST_F(StoreTest, FailedMigrationChangesNothing) {
   const std::string file = make_store("fm.sqlite", 2, sample_fingerprint());
   std::vector<Migration> steps(schema_migrations().begin(), schema_migrations().end());
-  steps.push_back({2, "CREATE TABLE probe (x); INSERT INTO no_such_table VALUES (1);"});
+  steps.push_back(
+      {kSchemaVersion + 1, "CREATE TABLE probe (x); INSERT INTO no_such_table VALUES (1);"});
   OpenResult r = Store::open(file, Mode::kReadWrite, steps);
   EXPECT_FALSE(r);
-  EXPECT_NE(r.problem.find("migrating to schema version 2"), std::string::npos) << r.problem;
-  EXPECT_EQ(raw_sql(file, "SELECT value FROM meta WHERE key = 'schema_version'"), "1\n");
+  EXPECT_NE(r.problem.find("migrating to schema version " + std::to_string(kSchemaVersion + 1)),
+            std::string::npos)
+      << r.problem;
+  EXPECT_EQ(raw_sql(file, "SELECT value FROM meta WHERE key = 'schema_version'"),
+            std::to_string(kSchemaVersion) + "\n");
   EXPECT_EQ(raw_sql(file, "SELECT count(*) FROM sqlite_master WHERE name = 'probe'"), "0\n");
   EXPECT_TRUE(Store::open(file, Mode::kReadWrite));
+}
+
+// A store of schema version 1 (before sweep claims) reads as it is, read-only (shipped evidence
+// of an older build), and a read-write open migrates it.
+TEST_F(StoreTest, AVersionOneStoreIsReadWithoutMigrating) {
+  const std::string file = make_store("v1.sqlite", 3, sample_fingerprint());
+  raw_sql(file, "DROP TABLE claims; UPDATE meta SET value = '1' WHERE key = 'schema_version'");
+  {
+    OpenResult r = Store::open(file, Mode::kReadOnly);
+    ASSERT_TRUE(r) << r.problem;
+    EXPECT_EQ(r.store->schema_version(), 1);
+    EXPECT_EQ(r.store->results(sample_fingerprint().id()).size(), 3u);
+  }
+  EXPECT_EQ(raw_sql(file, "SELECT value FROM meta WHERE key = 'schema_version'"), "1\n");
+  OpenResult rw = Store::open(file, Mode::kReadWrite);
+  ASSERT_TRUE(rw) << rw.problem;
+  EXPECT_EQ(rw.store->schema_version(), kSchemaVersion);
+  EXPECT_EQ(raw_sql(file, "SELECT count(*) FROM sqlite_master WHERE name = 'claims'"), "1\n");
+}
+
+// ---- Claims: concurrent sweeps share the work ----------------------------------------------
+
+TEST_F(StoreTest, AClaimIsHeldUntilItsResultIsStored) {
+  make_store("c.sqlite", 0, sample_fingerprint());
+  auto first = open_rw("c.sqlite"), second = open_rw("c.sqlite");
+  const std::string fp = sample_fingerprint().id();
+  Result row = sample_result(0);
+  using Claim = Store::Claim;
+  EXPECT_EQ(first->claim(fp, row.op, row.backend, row.case_id, 600), Claim::kMine);
+  EXPECT_EQ(first->claim(fp, row.op, row.backend, row.case_id, 600),
+            Claim::kMine);  // again: still ours
+  EXPECT_EQ(second->claim(fp, row.op, row.backend, row.case_id, 600), Claim::kTaken);
+  EXPECT_EQ(second->claim(fp, row.op, "other", row.case_id, 600), Claim::kMine);  // another key
+  first->add_result(first->begin_run(sample_fingerprint(), "first"), row);
+  EXPECT_EQ(second->claim(fp, row.op, row.backend, row.case_id, 600), Claim::kDone);
+  EXPECT_EQ(raw_sql(path("c.sqlite"), "SELECT count(*) FROM claims"), "1\n");  // only 'other'
+}
+
+TEST_F(StoreTest, AStaleOrOrphanedClaimIsTakenOver) {
+  make_store("s.sqlite", 0, sample_fingerprint());
+  auto first = open_rw("s.sqlite"), second = open_rw("s.sqlite");
+  const std::string fp = sample_fingerprint().id();
+  using Claim = Store::Claim;
+  EXPECT_EQ(first->claim(fp, "op", "b", "c1", 600), Claim::kMine);
+  EXPECT_EQ(second->claim(fp, "op", "b", "c1", 0), Claim::kMine);  // older than 0 s: stale
+  // A claim of a process on this host that no longer exists is no one's.
+  pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    auto r = Store::open(path("s.sqlite"), Mode::kReadWrite);
+    _exit(r && r.store->claim(fp, "op", "b", "c2", 600) == Claim::kMine ? 0 : 1);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  EXPECT_EQ(first->claim(fp, "op", "b", "c2", 600), Claim::kMine);
 }
 
 // ---- Merge, export, import -----------------------------------------------------------------
@@ -989,8 +1051,8 @@ TEST_F(JsonExchangeTest, ImportIgnoresUnknownMembersAtAnyDepth) {
   text = replaced(text, "\n]\n}\n", "\n],\n\"trailer\": {\"results\": 5}\n}\n");
   text = replaced(text, "\"clocks_seen\": ", "\"future\": true, \"clocks_seen\": ");
   text = replaced(text, "\"command\": ", "\"host\": {\"name\": [\"n\"]}, \"command\": ");
-  text = replaced(text, "\"reason\": ",
-                  "\"note\": {\"deep\": [[[\"x\"]]], \"deep\": 1}, \"reason\": ");
+  text = replaced(text,
+                  "\"reason\": ", "\"note\": {\"deep\": [[[\"x\"]]], \"deep\": 1}, \"reason\": ");
   write_bytes(path("extra.json"), text);
   auto store = open_rw("dst.sqlite");
   MergeStats stats = store->import_json(path("extra.json"));
@@ -1005,9 +1067,9 @@ TEST_F(JsonExchangeTest, ImportRefusesAWrongOrLateHeader) {
   const std::string rows = good.substr(body);  // "fingerprints": [...], ..., "results": [...]}
   const std::string format = "\"format\": \"kernelgate-evidence\"",
                     version = "\"schema_version\": 1";
-  expect_import_refused("{" + version + ",\n" + rows.substr(0, rows.size() - 3) + ",\n" + format +
-                            "}\n",
-                        "\"format\" and \"schema_version\" must come first");
+  expect_import_refused(
+      "{" + version + ",\n" + rows.substr(0, rows.size() - 3) + ",\n" + format + "}\n",
+      "\"format\" and \"schema_version\" must come first");
   expect_import_refused("{" + format + ",\n" + rows, "must come first");
   expect_import_refused("{" + rows, "must come first");
   for (const char* wrong : {"\"kernelgate-evidence2\"", "1", "null", "[\"kernelgate-evidence\"]",
@@ -1039,9 +1101,9 @@ TEST_F(JsonExchangeTest, ImportRefusesAmbiguousOrMistypedRows) {
   // JSON leaves a repeated name's meaning open, so it is refused rather than read either way.
   expect_import_refused(replaced(good, "\"reason\": ", "\"disposition\": \"passed\", \"reason\": "),
                         "results[1]: repeated key disposition");
-  expect_import_refused(replaced(good, "\"triton\": \"3.4.0\"",
-                                 "\"triton\": \"3.4.0\", \"triton\": \"3.5.0\""),
-                        "fingerprints[0].backend_versions: repeated key triton");
+  expect_import_refused(
+      replaced(good, "\"triton\": \"3.4.0\"", "\"triton\": \"3.4.0\", \"triton\": \"3.5.0\""),
+      "fingerprints[0].backend_versions: repeated key triton");
   const std::pair<std::string, std::string> mistyped[] = {
       {"\"seed\": 9223372036854775808", "results[1].seed: expected an integer"},
       {"\"seed\": -9223372036854775809", "results[1].seed: expected an integer"},
@@ -1092,35 +1154,35 @@ TEST_F(JsonExchangeTest, TruncatedDocumentAddsNothing) {
 TEST_F(JsonExchangeTest, ImportsWhatThePreviousWriterWrote) {
   // Written by the hand-made writer this one replaced: other escapes and number spellings.
   const std::string text =
-    "{\n"
-    "\"format\": \"kernelgate-evidence\",\n"
-    "\"schema_version\": 1,\n"
-    "\"fingerprints\": [\n"
-    "{\"id\": \"8698f1b65f22a235\", \"gpu_name\": \"NVIDIA H200\", "
-    "\"compute_capability\": \"9.0\", \"sm_count\": 132, \"memory_bytes\": 150754820096, "
-    "\"driver\": \"570.124.06\", \"cuda_runtime\": \"12.8\", "
-    "\"torch_version\": \"2.10.0\", \"kernelgate_version\": \"0.1.0\", "
-    "\"source_hash\": \"3f2a9c\", \"backend_versions\": {\"liger_kernel\": \"0.5.10\", "
-    "\"triton\": \"3.4.0\"}, \"clocks_seen\": \"sm=1980MHz mem=3201MHz\"}\n"
-    "],\n"
-    "\"runs\": [\n"
-    "{\"uuid\": \"06366f1ef7903e161df5afcf13769cbc\", "
-    "\"fingerprint_id\": \"8698f1b65f22a235\", \"command\": \"old \\\"build\\\"\", "
-    "\"started_at\": 1796115045, \"kernelgate_version\": \"0.1.0\"}\n"
-    "],\n"
-    "\"results\": [\n"
-    "{\"run_uuid\": \"06366f1ef7903e161df5afcf13769cbc\", \"op\": \"rms_norm\", "
-    "\"backend\": \"kernelgate\", \"case_id\": \"case-0\", \"arch\": 90, "
-    "\"dtype\": \"bfloat16\", \"buckets\": \"14,12\", \"region\": \"r\", "
-    "\"align\": \"16\", \"grad\": true, \"shape\": \"s\", \"layout\": \"contiguous\", "
-    "\"regime\": \"normal\", \"seed\": 7, \"disposition\": \"incorrect\", "
-    "\"reason\": \"line\\u000anext\\u0009tab\", \"max_rel_l2\": \"inf\", "
-    "\"max_max_over_rms\": 0, \"device_median_us\": 100, \"device_spread_us\": null, "
-    "\"device_samples\": 3, \"eager_median_us\": null, \"eager_spread_us\": null, "
-    "\"eager_samples\": 0, \"rel_noise\": 0.25, \"throttled\": false, "
-    "\"clocks_before\": \"\", \"clocks_after\": \"\", \"created_at\": 1700000000}\n"
-    "]\n"
-    "}\n";
+      "{\n"
+      "\"format\": \"kernelgate-evidence\",\n"
+      "\"schema_version\": 1,\n"
+      "\"fingerprints\": [\n"
+      "{\"id\": \"8698f1b65f22a235\", \"gpu_name\": \"NVIDIA H200\", "
+      "\"compute_capability\": \"9.0\", \"sm_count\": 132, \"memory_bytes\": 150754820096, "
+      "\"driver\": \"570.124.06\", \"cuda_runtime\": \"12.8\", "
+      "\"torch_version\": \"2.10.0\", \"kernelgate_version\": \"0.1.0\", "
+      "\"source_hash\": \"3f2a9c\", \"backend_versions\": {\"liger_kernel\": \"0.5.10\", "
+      "\"triton\": \"3.4.0\"}, \"clocks_seen\": \"sm=1980MHz mem=3201MHz\"}\n"
+      "],\n"
+      "\"runs\": [\n"
+      "{\"uuid\": \"06366f1ef7903e161df5afcf13769cbc\", "
+      "\"fingerprint_id\": \"8698f1b65f22a235\", \"command\": \"old \\\"build\\\"\", "
+      "\"started_at\": 1796115045, \"kernelgate_version\": \"0.1.0\"}\n"
+      "],\n"
+      "\"results\": [\n"
+      "{\"run_uuid\": \"06366f1ef7903e161df5afcf13769cbc\", \"op\": \"rms_norm\", "
+      "\"backend\": \"kernelgate\", \"case_id\": \"case-0\", \"arch\": 90, "
+      "\"dtype\": \"bfloat16\", \"buckets\": \"14,12\", \"region\": \"r\", "
+      "\"align\": \"16\", \"grad\": true, \"shape\": \"s\", \"layout\": \"contiguous\", "
+      "\"regime\": \"normal\", \"seed\": 7, \"disposition\": \"incorrect\", "
+      "\"reason\": \"line\\u000anext\\u0009tab\", \"max_rel_l2\": \"inf\", "
+      "\"max_max_over_rms\": 0, \"device_median_us\": 100, \"device_spread_us\": null, "
+      "\"device_samples\": 3, \"eager_median_us\": null, \"eager_spread_us\": null, "
+      "\"eager_samples\": 0, \"rel_noise\": 0.25, \"throttled\": false, "
+      "\"clocks_before\": \"\", \"clocks_after\": \"\", \"created_at\": 1700000000}\n"
+      "]\n"
+      "}\n";
   write_bytes(path("old.json"), text);
   auto store = open_rw("dst.sqlite");
   MergeStats stats = store->import_json(path("old.json"));

@@ -8,6 +8,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 import torch
@@ -325,3 +326,166 @@ def test_faulty_backends_are_ranked_in_no_region_they_are_wrong_in(faulty_policy
         if " strided " in key:
             wrong_everywhere.add("faulty_assumes_contiguous")
         assert not ranked & wrong_everywhere, (key, ranked & wrong_everywhere)
+
+
+# ---- a run that measured nothing stores nothing (item 6) -----------------------------------------
+
+def test_a_sweep_that_measures_nothing_writes_no_run(tmp_path, capsys):
+    import sqlite3
+
+    db = str(tmp_path / "resumed.sqlite")
+    args = ["validate", "rms_norm", "--backend", "reference", "--dtype", "float32",
+            "--shard", "0/20", "--db", db]
+    assert _run(capsys, *args)[0] == 0
+    count = lambda: sqlite3.connect(db).execute("SELECT count(*) FROM runs").fetchone()[0]  # noqa: E731
+    assert count() == 1
+    assert _run(capsys, *args)[0] == 0  # everything resumed: nothing measured
+    assert count() == 1
+
+
+# ---- interrupting a sweep (item 7) -------------------------------------------------------------
+
+def _workers_of(pid):
+    """The pids of live workers a sweep process started (they carry its pid in their environment)."""
+    mark = f"KERNELGATE_WORKER_PARENT={pid}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+            with open(f"/proc/{entry}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if mark in env and state != "Z":
+            found.append(int(entry))
+    return found
+
+
+def _start_hanging_sweep(db):
+    """A sweep whose case hangs (case timeout 60 s), once its worker is running the case."""
+    from test_evidence import plugin_path
+
+    p = subprocess.Popen([sys.executable, "-m", "kernelgate.cli", "bench", "run", "rms_norm", "--grid",
+                          "smoke", "--load", plugin_path(), "--backend", "reference", "--backend",
+                          "faulty_hangs", "--dtype", "float32", "--shard", "0/20", "--case-timeout", "60",
+                          "--db", db], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not _workers_of(p.pid):
+        time.sleep(0.1)
+    assert _workers_of(p.pid), "the sweep started no worker"
+    time.sleep(3)  # the reference's first cases are stored, the hanging one is running
+    return p
+
+
+def _gone(pids, within=10.0):
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if not any(os.path.exists(f"/proc/{pid}") and _state(pid) != "Z" for pid in pids):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _state(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+def test_ctrl_c_stops_a_sweep_promptly_keeping_what_it_stored(tmp_path):
+    import signal
+    import sqlite3
+
+    db = str(tmp_path / "interrupted.sqlite")
+    p = _start_hanging_sweep(db)
+    workers = _workers_of(p.pid)
+    t0 = time.monotonic()
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=30)
+    assert time.monotonic() - t0 < 5, "the sweep did not stop promptly"
+    assert p.returncode == 130, err.decode()
+    assert "interrupted" in err.decode() and "Traceback" not in err.decode(), err.decode()
+    assert _gone(workers), "a worker outlived the interrupted sweep"
+    rows = sqlite3.connect(db).execute("SELECT backend, disposition FROM results").fetchall()
+    assert rows and all(d != "timed_out" for _, d in rows), rows  # kept; the run in flight not stored
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
+def test_workers_die_with_their_sweep(tmp_path, sig):
+    import signal
+
+    p = _start_hanging_sweep(str(tmp_path / "killed.sqlite"))
+    workers = _workers_of(p.pid)
+    p.send_signal(getattr(signal, sig))
+    p.communicate(timeout=30)
+    assert _gone(workers), f"a worker outlived its sweep after {sig}"
+
+
+# ---- an unusable store is said, not silent (item 8) ----------------------------------------------
+
+@pytest.mark.parametrize("what", ["corrupt", "foreign", "newer", "directory"])
+def test_an_unusable_store_is_warned_once_and_explained(tmp_path, what):
+    import sqlite3
+
+    path = tmp_path / "store.sqlite"
+    if what == "corrupt":
+        path.write_bytes(b"SQLite format 3\0" + os.urandom(4096))
+    elif what == "foreign":
+        sqlite3.connect(path).execute("CREATE TABLE users (id INTEGER)").connection.commit()
+    elif what == "newer":
+        assert cli.main(["validate", "rms_norm", "--shard", "0/50", "--backend", "reference",
+                         "--dtype", "float32", "--db", str(path)]) == 0
+        c = sqlite3.connect(path)
+        c.execute("UPDATE meta SET value = '99' WHERE key = 'schema_version'")
+        c.commit()
+        c.close()
+    else:
+        path.mkdir()
+    before = sorted(os.listdir(tmp_path)), (path.read_bytes() if path.is_file() else b"")
+    script = (
+        "import logging, torch, kernelgate as kg\n"
+        "logging.basicConfig(level=logging.WARNING, format='%(levelname)s %(message)s')\n"
+        "x, w = torch.randn(4, 8), torch.ones(8)\n"
+        "kg.rms_norm(x, w); kg.rms_norm(x, w); kg.layer_norm(x, w, w)\n"
+        "print(kg.explain('rms_norm', x, w))\n"
+    )
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, KERNELGATE_DB=str(path)))
+    assert p.returncode == 0, p.stderr
+    warnings = [line for line in p.stderr.splitlines() if "store not used" in line]
+    assert len(warnings) == 1 and str(path) in warnings[0], p.stderr  # once, naming the file
+    assert "store not used" in p.stdout and str(path) in p.stdout, p.stdout  # explain says it too
+    assert (sorted(os.listdir(tmp_path)), (path.read_bytes() if path.is_file() else b"")) == before
+
+
+def test_a_missing_store_is_no_warning(tmp_path):
+    p = subprocess.run([sys.executable, "-c", "import torch, kernelgate as kg; kg.rms_norm(torch.randn(4, 8), None)"],
+                       capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, KERNELGATE_DB=str(tmp_path / "none.sqlite")))
+    assert p.returncode == 0 and "store not used" not in p.stderr, p.stderr
+
+
+# ---- concurrent sweeps share the work (item 12) --------------------------------------------------
+
+def test_concurrent_sweeps_of_the_same_work_run_each_case_once(tmp_path):
+    import sqlite3
+
+    db = str(tmp_path / "shared.sqlite")
+    cmd = [sys.executable, "-m", "kernelgate.cli", "validate", "rms_norm", "--backend",
+           "kernelgate_cpu", "--backend", "reference", "--dtype", "float32", "--shard", "0/4", "--db", db,
+           "--json"]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE) for _ in range(2)]
+    reports = [json.loads(p.communicate(timeout=300)[0])["rms_norm"] for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    planned = reports[0]["planned"]
+    assert planned and all(r["planned"] == planned for r in reports)
+    ran = [sum(r["dispositions"].values()) for r in reports]
+    assert sum(ran) == planned, (ran, planned)  # no case ran twice, none was left out
+    rows = sqlite3.connect(db).execute("SELECT count(*), count(DISTINCT backend || case_id) FROM results").fetchone()
+    assert rows == (planned, planned)
+    assert sqlite3.connect(db).execute("SELECT count(*) FROM claims").fetchone()[0] == 0
