@@ -20,13 +20,14 @@ at::Tensor rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& weight
 // silu(gate) * up and gelu(gate, approximate) * up (approximate: "tanh" or "none"), float32
 // math, in gate's dtype; gate and up of one shape.
 at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up);
-at::Tensor geglu(const at::Tensor& gate, const at::Tensor& up, c10::string_view approximate = "tanh");
+at::Tensor geglu(const at::Tensor& gate, const at::Tensor& up,
+                 c10::string_view approximate = "tanh");
 
 // h = x + residual (rounded to x's dtype), y = rms_norm(h) * weight (float32 statistics);
 // returns (y, h). x and residual of one shape.
-std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
-                                                const std::optional<at::Tensor>& weight = std::nullopt,
-                                                double eps = 1e-6);
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(
+    const at::Tensor& x, const at::Tensor& residual,
+    const std::optional<at::Tensor>& weight = std::nullopt, double eps = 1e-6);
 
 // Layer norm over the last dim, float32 statistics: (x - mean) * rstd * weight + bias, as
 // torch.nn.functional.layer_norm(x, (x.size(-1),), weight, bias, eps).
@@ -37,15 +38,15 @@ at::Tensor layer_norm(const at::Tensor& x, const std::optional<at::Tensor>& weig
 // q [batch, q_heads, seq, head_dim] and k [batch, kv_heads, seq, head_dim] (head_dim even),
 // cos / sin [1 or batch, seq, head_dim] shared by all heads. float32 math, outputs in q's dtype.
 // Gradients flow to q and k only: cos and sin are constants.
-std::tuple<at::Tensor, at::Tensor> rope(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
-                                        const at::Tensor& sin);
+std::tuple<at::Tensor, at::Tensor> rope(const at::Tensor& q, const at::Tensor& k,
+                                        const at::Tensor& cos, const at::Tensor& sin);
 // Per-head rms_norm of q and k over head_dim (weights q_weight / k_weight [head_dim], float32
 // statistics), then rope, fused; the normalised heads stay float32 in between. Gradients flow to
 // q, k, q_weight and k_weight.
 std::tuple<at::Tensor, at::Tensor> qk_norm_rope(const at::Tensor& q, const at::Tensor& k,
-                                                const at::Tensor& q_weight, const at::Tensor& k_weight,
-                                                const at::Tensor& cos, const at::Tensor& sin,
-                                                double eps = 1e-6);
+                                                const at::Tensor& q_weight,
+                                                const at::Tensor& k_weight, const at::Tensor& cos,
+                                                const at::Tensor& sin, double eps = 1e-6);
 // Cross-entropy of logits [rows, classes] against target [rows] (int64 or int32), float32 math,
 // like torch.nn.functional.cross_entropy: rows whose target is ignore_index count for nothing;
 // label_smoothing in [0, 1]; reduction "mean" (over the rows not ignored: NaN when all are),

@@ -26,8 +26,8 @@
 // schema when the op is installed; a mismatch is an error naming the op and the function.
 #pragma once
 #include <ATen/core/Tensor.h>
-#include <ATen/core/ivalue.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/ivalue.h>
 #include <ATen/core/stack.h>
 
 #include <functional>
@@ -123,7 +123,8 @@ struct Fn<R (*)(A...)> {
     if constexpr (arity == 0) {
       return false;
     } else {
-      return std::is_same_v<std::decay_t<std::tuple_element_t<arity - 1, std::tuple<A...>>>, GradRequest>;
+      return std::is_same_v<std::decay_t<std::tuple_element_t<arity - 1, std::tuple<A...>>>,
+                            GradRequest>;
     }
   }();
   static constexpr size_t stack_args = takes_request ? arity - 1 : arity;
@@ -171,7 +172,8 @@ struct Fn<R (*)(A...)> {
     }
   }
   template <size_t... I>
-  static R invoke(R (*f)(A...), const c10::IValue* args, GradRequest need, std::index_sequence<I...>) {
+  static R invoke(R (*f)(A...), const c10::IValue* args, GradRequest need,
+                  std::index_sequence<I...>) {
     return f(arg<A>(args, I, need)...);
   }
 };
@@ -233,7 +235,8 @@ class OpDeclaration {
   template <class F>
   OpDeclaration& meta(F f) {
     shapes_.push_back(op_detail::shape_of<F>("meta", 'F'));
-    return meta_boxed([f](torch::jit::Stack& s, GradRequest need) { op_detail::Fn<F>::run(f, s, need); });
+    return meta_boxed(
+        [f](torch::jit::Stack& s, GradRequest need) { op_detail::Fn<F>::run(f, s, need); });
   }
   template <class F>
   OpDeclaration& check(F f) {
@@ -249,8 +252,12 @@ class OpDeclaration {
     if constexpr (!std::is_same_v<B, std::nullptr_t>) {
       shapes_.push_back(op_detail::shape_of<B>("backend '" + name + "' backward", 'B'));
     }
-    BackendDesc d{std::move(name), kind, std::move(available), std::move(can),
-                  std::make_shared<op_detail::TypedBackend<F, B>>(fwd, bwd), ""};
+    BackendDesc d{std::move(name),
+                  kind,
+                  std::move(available),
+                  std::move(can),
+                  std::make_shared<op_detail::TypedBackend<F, B>>(fwd, bwd),
+                  ""};
     return backend_desc(std::move(d));
   }
   // The reference backend made from the reference op itself: its forward runs the reference
@@ -283,23 +290,30 @@ class OpDeclaration {
 
 // Adds a backend of typed functions to an installed op (plugins, tests), checking them against
 // its schemas like install() does. Returns the backend's local index.
-int add_backend_checked(const std::string& op, BackendDesc desc, const std::vector<op_detail::Shape>& shapes);
+int add_backend_checked(const std::string& op, BackendDesc desc,
+                        const std::vector<op_detail::Shape>& shapes);
 template <class F, class B>
 int add_backend(const std::string& op, std::string name, BackendKind kind, F fwd, B bwd,
                 CanImplement can = {}) {
-  std::vector<op_detail::Shape> shapes{op_detail::shape_of<F>("backend '" + name + "' forward", 'F')};
+  std::vector<op_detail::Shape> shapes{
+      op_detail::shape_of<F>("backend '" + name + "' forward", 'F')};
   if constexpr (!std::is_same_v<B, std::nullptr_t>) {
     shapes.push_back(op_detail::shape_of<B>("backend '" + name + "' backward", 'B'));
   }
-  BackendDesc d{std::move(name), kind, {}, std::move(can),
-                std::make_shared<op_detail::TypedBackend<F, B>>(fwd, bwd), ""};
+  BackendDesc d{std::move(name),
+                kind,
+                {},
+                std::move(can),
+                std::make_shared<op_detail::TypedBackend<F, B>>(fwd, bwd),
+                ""};
   return add_backend_checked(op, std::move(d), shapes);
 }
 
 // The kernelgate::<name> op, typed, for the C++ API functions (kernelgate.h).
 template <class Sig>
 c10::TypedOperatorHandle<Sig> typed_op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow((std::string("kernelgate::") + name).c_str(), "")
+  return c10::Dispatcher::singleton()
+      .findSchemaOrThrow((std::string("kernelgate::") + name).c_str(), "")
       .template typed<Sig>();
 }
 

@@ -141,7 +141,8 @@ struct RoutedOp {
   // The options of the call's first tensor: placeholders take them.
   static at::TensorOptions first_options(const CallView& call) {
     for (int i = 0; i < call.num_tensors; ++i) {
-      if (call.tensors[i] != nullptr && call.tensors[i]->defined()) return call.tensors[i]->options();
+      if (call.tensors[i] != nullptr && call.tensors[i]->defined())
+        return call.tensors[i]->options();
     }
     return {};
   }
@@ -241,16 +242,18 @@ struct RoutedOp {
     std::vector<Tensor> grads;
     for (size_t k = 0; k < diff.size(); ++k) {
       const at::Tensor* t = call.tensors[diff[k]];
-      grads.push_back(need(diff[k]) && t != nullptr && t->defined()
-                          ? at::empty(t->sizes(), t->options().memory_format(at::MemoryFormat::Contiguous))
-                          : at::empty({0}, like[k]));
+      grads.push_back(
+          need(diff[k]) && t != nullptr && t->defined()
+              ? at::empty(t->sizes(), t->options().memory_format(at::MemoryFormat::Contiguous))
+              : at::empty({0}, like[k]));
     }
     torch::jit::drop(s, n_bwd_args);
     for (auto& g : grads) s.emplace_back(std::move(g));
   }
 };
 
-// ---- autograd ------------------------------------------------------------------------------------
+// ---- autograd
+// ------------------------------------------------------------------------------------
 
 struct RoutedBackward final : torch::autograd::Node {
   const RoutedOp* op = nullptr;
@@ -313,7 +316,8 @@ struct RoutedBackward final : torch::autograd::Node {
       }
       TORCH_CHECK(false, op->name,
                   ": double backward (create_graph=True) is not supported: its backward does not "
-                  "keep ", missing, ", which differentiating it again would need");
+                  "keep ",
+                  missing, ", which differentiating it again would need");
     }
     Stack s(op->nargs);
     std::vector<Tensor> inputs(op->tensor_pos.size());
@@ -426,7 +430,8 @@ void autograd_forward(const RoutedOp& op, const c10::OperatorHandle& handle, c10
   s.resize(s.size() - op.n_extra);
 }
 
-// ---- the reference as a backend (reference_backend()) --------------------------------------------
+// ---- the reference as a backend (reference_backend())
+// --------------------------------------------
 
 class ReferenceAutograd final : public BackendImpl {
  public:
@@ -446,7 +451,8 @@ class ReferenceAutograd final : public BackendImpl {
     const size_t base = s.size() - op_->n_bwd_args;
     const int n_out = op_->n_out;
     std::vector<Tensor> grads, inputs;
-    for (int j = 0; j < n_out; ++j) grads.push_back(s[base + j].isTensor() ? s[base + j].toTensor() : Tensor());
+    for (int j = 0; j < n_out; ++j)
+      grads.push_back(s[base + j].isTensor() ? s[base + j].toTensor() : Tensor());
     // The router runs below autograd; the recomputation needs it back.
     auto keys = c10::impl::tls_local_dispatch_key_set();
     keys.excluded_ = keys.excluded_ - c10::autograd_dispatch_keyset_with_ADInplaceOrView;
@@ -461,7 +467,8 @@ class ReferenceAutograd final : public BackendImpl {
       ref[op_->tensor_pos[i]] = t.defined() ? IValue(t) : IValue();
     }
     const size_t nontensor_base = base + n_out + op_->tensor_pos.size();
-    for (size_t j = 0; j < op_->nontensor_pos.size(); ++j) ref[op_->nontensor_pos[j]] = s[nontensor_base + j];
+    for (size_t j = 0; j < op_->nontensor_pos.size(); ++j)
+      ref[op_->nontensor_pos[j]] = s[nontensor_base + j];
     op_->ref->callBoxed(ref);
     std::vector<Tensor> outs, cots, wrt;
     for (int j = 0; j < n_out; ++j) {
@@ -475,7 +482,8 @@ class ReferenceAutograd final : public BackendImpl {
       if (need(d)) wrt.push_back(inputs[d]);
     }
     std::vector<Tensor> got;
-    if (!outs.empty() && !wrt.empty()) got = torch::autograd::grad(outs, wrt, cots, false, false, true);
+    if (!outs.empty() && !wrt.empty())
+      got = torch::autograd::grad(outs, wrt, cots, false, false, true);
     torch::jit::drop(s, op_->n_bwd_args);
     size_t next = 0;
     for (int d : op_->diff) {
@@ -485,7 +493,8 @@ class ReferenceAutograd final : public BackendImpl {
       }
       Tensor g = next < got.size() ? got[next] : Tensor();
       ++next;
-      s.emplace_back(g.defined() ? g.contiguous() : at::zeros_like(inputs[d], at::MemoryFormat::Contiguous));
+      s.emplace_back(g.defined() ? g.contiguous()
+                                 : at::zeros_like(inputs[d], at::MemoryFormat::Contiguous));
     }
   }
 
@@ -565,8 +574,13 @@ std::string kinds_of(const std::vector<c10::Argument>& args) {
 std::string describe_kinds(const std::string& kinds) {
   std::string out;
   for (char k : kinds) {
-    const char* t = k == 'T' ? "Tensor" : k == 'O' ? "Tensor?" : k == 'f' ? "float" : k == 'i' ? "int"
-                  : k == 'b' ? "bool" : k == 's' ? "str" : "?";
+    const char* t = k == 'T'   ? "Tensor"
+                    : k == 'O' ? "Tensor?"
+                    : k == 'f' ? "float"
+                    : k == 'i' ? "int"
+                    : k == 'b' ? "bool"
+                    : k == 's' ? "str"
+                               : "?";
     out += (out.empty() ? "" : ", ") + std::string(t);
   }
   return "(" + out + ")";
@@ -580,7 +594,8 @@ void check_shapes(const OpContract& c, const std::vector<op_detail::Shape>& shap
   auto without_mask = [](const std::vector<c10::Argument>& a) {
     return kinds_of(std::vector<c10::Argument>(a.begin(), a.end() - 1));
   };
-  const std::string f_kinds = without_mask(fwd.arguments()), b_kinds = without_mask(bwd.arguments());
+  const std::string f_kinds = without_mask(fwd.arguments()),
+                    b_kinds = without_mask(bwd.arguments());
   for (const auto& sh : shapes) {
     const std::string& want = sh.schema == 'B' ? b_kinds : f_kinds;
     TORCH_CHECK(sh.kinds == want, "op ", c.name, ": ", sh.what, " takes ", describe_kinds(sh.kinds),
@@ -589,8 +604,8 @@ void check_shapes(const OpContract& c, const std::vector<op_detail::Shape>& shap
     const size_t results = sh.schema == 'B'   ? bwd.returns().size()
                            : sh.schema == 'R' ? c.outputs.size()
                                               : fwd.returns().size();
-    TORCH_CHECK(static_cast<size_t>(sh.results) == results, "op ", c.name, ": ", sh.what, " returns ",
-                sh.results, " tensors, expected ", results);
+    TORCH_CHECK(static_cast<size_t>(sh.results) == results, "op ", c.name, ": ", sh.what,
+                " returns ", sh.results, " tensors, expected ", results);
   }
 }
 
@@ -673,14 +688,15 @@ OpId OpDeclaration::install() {
   for (size_t i = 0; i < args.size(); ++i) {
     const char k = kind_of(args[i].type());
     TORCH_CHECK(k != '?', "op ", c.name, ": argument '", args[i].name(), "' has type ",
-                args[i].type()->str(), "; kernelgate ops take Tensor, Tensor?, float, int, bool and str");
+                args[i].type()->str(),
+                "; kernelgate ops take Tensor, Tensor?, float, int, bool and str");
     if (k != 'T' && k != 'O') {
       op->nontensor_pos.push_back(static_cast<int>(i));
       continue;
     }
     TORCH_CHECK(t < c.tensor_args.size() && c.tensor_args[t].name == args[i].name(), "op ", c.name,
-                ": tensor argument '", args[i].name(), "' of the schema is not the next one in dims ('",
-                c.dims, "')");
+                ": tensor argument '", args[i].name(),
+                "' of the schema is not the next one in dims ('", c.dims, "')");
     TORCH_CHECK(c.tensor_args[t].optional == (k == 'O'), "op ", c.name, ": '", args[i].name(),
                 "' is ", k == 'O' ? "optional" : "required", " in the schema but not in dims");
     c.tensor_args[t].schema_index = static_cast<int>(i);
@@ -689,15 +705,16 @@ OpId OpDeclaration::install() {
   }
   TORCH_CHECK(t == c.tensor_args.size(), "op ", c.name, ": dims names tensors the schema lacks");
   for (const auto& r : schema.returns()) {
-    TORCH_CHECK(r.type()->kind() == c10::TypeKind::TensorType, "op ", c.name, ": returns must be tensors");
+    TORCH_CHECK(r.type()->kind() == c10::TypeKind::TensorType, "op ", c.name,
+                ": returns must be tensors");
   }
   op->n_out = static_cast<int>(schema.returns().size());
   op->n_extra = static_cast<int>(c.extras.size());
   if (c.outputs.empty()) {
     for (int j = 0; j < op->n_out; ++j) c.outputs.push_back("out" + std::to_string(j));
   }
-  TORCH_CHECK(static_cast<int>(c.outputs.size()) == op->n_out, "op ", c.name, ": ", c.outputs.size(),
-              " output names for ", op->n_out, " outputs");
+  TORCH_CHECK(static_cast<int>(c.outputs.size()) == op->n_out, "op ", c.name, ": ",
+              c.outputs.size(), " output names for ", op->n_out, " outputs");
   for (auto& a : c.tensor_args) {
     a.differentiable = a.dtype_class == DTypeClass::kFloat &&
                        std::find(c.no_grad.begin(), c.no_grad.end(), a.name) == c.no_grad.end();
@@ -722,7 +739,8 @@ OpId OpDeclaration::install() {
   for (size_t i = 0; i < c.tensor_args.size(); ++i) {
     if (!c.tensor_args[i].differentiable) continue;
     auto shared = c.shared_grads.find(c.tensor_args[i].name);
-    const int source = shared == c.shared_grads.end() ? static_cast<int>(i) : arg_index(shared->second);
+    const int source =
+        shared == c.shared_grads.end() ? static_cast<int>(i) : arg_index(shared->second);
     auto slot = std::find(op->diff.begin(), op->diff.end(), source);
     TORCH_CHECK(slot != op->diff.end(), "op ", c.name, ": '", c.tensor_args[i].name,
                 "' shares the gradient of '", c.tensor_args[source].name,
@@ -739,8 +757,8 @@ OpId OpDeclaration::install() {
     op->out_deps.push_back(mask);
   }
   for (const auto& [out, deps] : c.output_inputs) {
-    TORCH_CHECK(std::find(c.outputs.begin(), c.outputs.end(), out) != c.outputs.end(), "op ", c.name,
-                ": output_inputs names '", out, "', which is not an output");
+    TORCH_CHECK(std::find(c.outputs.begin(), c.outputs.end(), out) != c.outputs.end(), "op ",
+                c.name, ": output_inputs names '", out, "', which is not an output");
   }
   TORCH_CHECK(!op->diff.empty() || !c.dtypes.empty(), "op ", c.name, ": nothing to differentiate");
 
@@ -813,7 +831,8 @@ OpId OpDeclaration::install() {
   std::vector<c10::Argument> fwd_args;
   for (const auto& a : args) fwd_args.push_back(plain(a));
   fwd_args.emplace_back("needs", c10::IntType::get());
-  c10::FunctionSchema fwd_schema = make_schema("_" + c.name + "_fwd", fwd_args, op->n_out + op->n_extra);
+  c10::FunctionSchema fwd_schema =
+      make_schema("_" + c.name + "_fwd", fwd_args, op->n_out + op->n_extra);
   c10::FunctionSchema bwd_schema = make_schema("_" + c.name + "_bwd", bwd_args, op->diff.size());
   c10::FunctionSchema ref_schema = schema.cloneWithName("_" + c.name + "_reference", "");
   c.forward_schema = schema_text(fwd_schema);
@@ -823,9 +842,10 @@ OpId OpDeclaration::install() {
   if (st.reference_backend) {
     std::vector<std::string> args_in_order;
     for (const auto& a : c.tensor_args) args_in_order.push_back(a.name);
-    TORCH_CHECK(c.extras.empty() && c.saved == args_in_order && c.shared_grads.empty(),
-                "op ", c.name, ": reference_backend() needs no extras and every tensor argument saved");
-    BackendDesc ref{"reference", BackendKind::kReference, {}, {}, std::make_shared<ReferenceAutograd>(op), ""};
+    TORCH_CHECK(c.extras.empty() && c.saved == args_in_order && c.shared_grads.empty(), "op ",
+                c.name, ": reference_backend() needs no extras and every tensor argument saved");
+    BackendDesc ref{
+        "reference", BackendKind::kReference, {}, {}, std::make_shared<ReferenceAutograd>(op), ""};
     st.backends.insert(st.backends.begin(), std::move(ref));
   }
   TORCH_CHECK(!st.backends.empty() && st.backends[0].kind == BackendKind::kReference, "op ", c.name,
@@ -839,7 +859,8 @@ OpId OpDeclaration::install() {
   for (auto& b : st.backends) d.add_backend(op->id, std::move(b));
 
   // PyTorch: definitions, then impls. The library lives as long as the process.
-  auto* lib = new torch::Library(torch::Library::FRAGMENT, "kernelgate", std::nullopt, __FILE__, __LINE__);
+  auto* lib =
+      new torch::Library(torch::Library::FRAGMENT, "kernelgate", std::nullopt, __FILE__, __LINE__);
   lib->def(c10::FunctionSchema(schema));
   lib->def(std::move(ref_schema));
   lib->def(std::move(fwd_schema));
@@ -853,18 +874,25 @@ OpId OpDeclaration::install() {
     lib->impl(fwd_name.c_str(), torch::dispatch(key, boxed<RouterKernel>(op, Which::kFwd)));
     lib->impl(bwd_name.c_str(), torch::dispatch(key, boxed<RouterKernel>(op, Which::kBwd)));
   }
-  lib->impl(c.name.c_str(), torch::dispatch(c10::DispatchKey::Meta, boxed<MetaKernel>(op, Which::kOp)));
-  lib->impl(fwd_name.c_str(), torch::dispatch(c10::DispatchKey::Meta, boxed<MetaKernel>(op, Which::kFwd)));
-  lib->impl(bwd_name.c_str(), torch::dispatch(c10::DispatchKey::Meta, boxed<MetaKernel>(op, Which::kBwd)));
+  lib->impl(c.name.c_str(),
+            torch::dispatch(c10::DispatchKey::Meta, boxed<MetaKernel>(op, Which::kOp)));
+  lib->impl(fwd_name.c_str(),
+            torch::dispatch(c10::DispatchKey::Meta, boxed<MetaKernel>(op, Which::kFwd)));
+  lib->impl(bwd_name.c_str(),
+            torch::dispatch(c10::DispatchKey::Meta, boxed<MetaKernel>(op, Which::kBwd)));
   if (st.custom_autograd) {
     st.custom_autograd(*lib);
   } else {
-    lib->impl(c.name.c_str(), torch::dispatch(c10::DispatchKey::Autograd, boxed<AutogradKernel>(op)));
+    lib->impl(c.name.c_str(),
+              torch::dispatch(c10::DispatchKey::Autograd, boxed<AutogradKernel>(op)));
   }
   auto& dispatcher = c10::Dispatcher::singleton();
-  op->fwd = new c10::OperatorHandle(dispatcher.findSchemaOrThrow(("kernelgate::" + fwd_name).c_str(), ""));
-  op->bwd = new c10::OperatorHandle(dispatcher.findSchemaOrThrow(("kernelgate::" + bwd_name).c_str(), ""));
-  op->ref = new c10::OperatorHandle(dispatcher.findSchemaOrThrow(("kernelgate::" + ref_name).c_str(), ""));
+  op->fwd = new c10::OperatorHandle(
+      dispatcher.findSchemaOrThrow(("kernelgate::" + fwd_name).c_str(), ""));
+  op->bwd = new c10::OperatorHandle(
+      dispatcher.findSchemaOrThrow(("kernelgate::" + bwd_name).c_str(), ""));
+  op->ref = new c10::OperatorHandle(
+      dispatcher.findSchemaOrThrow(("kernelgate::" + ref_name).c_str(), ""));
   state_.reset();
   return op->id;
 }

@@ -55,8 +55,7 @@ Triple reference_fwd(const Tensor& x, const Tensor& residual, const OptTensor& w
 }
 
 std::tuple<Tensor, Tensor> reference_bwd(const Tensor& dy, const OptTensor& dh, const Tensor& h,
-                                         const OptTensor& w, const Tensor& rstd,
-                                         bool weight_grad) {
+                                         const OptTensor& w, const Tensor& rstd, bool weight_grad) {
   Tensor hf = h.to(at::kFloat), dyf = dy.to(at::kFloat);
   Tensor r = rstd.unsqueeze(-1);
   Tensor hhat = hf * r;
@@ -136,7 +135,8 @@ Support cuda_can_implement(const CallView& call) {
 // gradient (shared_grads).
 template <Bwd B>
 std::tuple<Tensor, Tensor> backward(const OptTensor& dy, const OptTensor& dh, const Tensor& h,
-                                    const OptTensor& w, const Tensor& rstd, double, GradRequest need) {
+                                    const OptTensor& w, const Tensor& rstd, double,
+                                    GradRequest need) {
   const bool need_dw = need(2) && w.has_value();
   if (!dy) {  // only h was used downstream
     return {dh->contiguous(), need_dw ? at::zeros_like(*w) : Tensor()};
@@ -148,9 +148,8 @@ std::tuple<Tensor, Tensor> backward(const OptTensor& dy, const OptTensor& dh, co
 void check_args(const Tensor& x, const Tensor& residual, const OptTensor&, double eps) {
   TORCH_CHECK(residual.sizes() == x.sizes(), "add_rms_norm: residual must have the shape of x (",
               x.sizes(), "), got ", residual.sizes());
-  TORCH_CHECK(x.size(-1) > 0,
-              "add_rms_norm: x.size(-1) (hidden) must be at least 1, got 0 (shape ", x.sizes(),
-              ")");
+  TORCH_CHECK(x.size(-1) > 0, "add_rms_norm: x.size(-1) (hidden) must be at least 1, got 0 (shape ",
+              x.sizes(), ")");
   TORCH_CHECK(std::isfinite(eps) && eps >= 0,
               "add_rms_norm: eps must be a finite number >= 0, got ", number(eps));
 }
@@ -186,25 +185,28 @@ OpContract contract() {
   return c;
 }
 
-const OpId kOp = OpDeclaration(contract())
-    .reference(add_rms_norm_reference_op)
-    .meta(meta)
-    .check(check_args)
-    .backend("reference", BackendKind::kReference, reference_fwd, backward<reference_bwd>)
+const OpId kOp =
+    OpDeclaration(contract())
+        .reference(add_rms_norm_reference_op)
+        .meta(meta)
+        .check(check_args)
+        .backend("reference", BackendKind::kReference, reference_fwd, backward<reference_bwd>)
 #ifdef KERNELGATE_WITH_CUDA
-    .backend("kernelgate_cuda", BackendKind::kKernelgate, cuda_fwd, backward<cuda_bwd>,
-             cuda_can_implement, cuda_available)
+        .backend("kernelgate_cuda", BackendKind::kKernelgate, cuda_fwd, backward<cuda_bwd>,
+                 cuda_can_implement, cuda_available)
 #else
-    .unavailable("kernelgate_cuda", BackendKind::kKernelgate, kNoCudaBuild)
+        .unavailable("kernelgate_cuda", BackendKind::kKernelgate, kNoCudaBuild)
 #endif
-    .install();
+        .install();
 
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
-                                                const std::optional<at::Tensor>& weight, double eps) {
+                                                const std::optional<at::Tensor>& weight,
+                                                double eps) {
   static const auto op = typed_op<std::tuple<at::Tensor, at::Tensor>(
-      const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, double)>("add_rms_norm");
+      const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, double)>(
+      "add_rms_norm");
   return op.call(x, residual, weight, eps);
 }
 

@@ -99,7 +99,7 @@ Tensor reference_loss(const Tensor& logits, const Tensor& target, int64_t ignore
   x = at::where(ignored, at::zeros({}, x.options()), x);
   auto [lse, loss] = row_math(x, r, label_smoothing);
   loss = at::where(r.in_range, loss, r.fill);
-  Tensor out = reduction == CeReduction::kNone ? loss
+  Tensor out = reduction == CeReduction::kNone  ? loss
                : reduction == CeReduction::kSum ? loss.sum()
                                                 : loss.sum() / (target != ignore_index).sum();
   return in_dtype(out, logits.scalar_type());
@@ -120,14 +120,16 @@ void aten_chunk_step(const ChunkStep& s) {
   Tensor p = at::exp(x - lse.unsqueeze(1));
   if (eps > 0) p = p - eps / double(classes);
   p = p.scatter_add(1, r.safe_target.unsqueeze(1), at::full({n, 1}, eps - 1.0, p.options()));
-  Tensor scale = s.dloss.defined() ? s.dloss.to(at::kFloat).expand({n}) : at::ones({n}, p.options());
+  Tensor scale =
+      s.dloss.defined() ? s.dloss.to(at::kFloat).expand({n}) : at::ones({n}, p.options());
   if (s.n_valid.defined()) scale = scale / s.n_valid;
   s.grad_out.copy_(at::where(r.in_range.unsqueeze(1), p * scale.unsqueeze(1), r.fill.unsqueeze(1)));
 }
 
 #ifdef KERNELGATE_WITH_CUDA
 void cuda_chunk_step(const ChunkStep& s) {
-  TORCH_INTERNAL_ASSERT(s.logits.stride(1) == 1 && s.target.is_contiguous() && s.lse.is_contiguous());
+  TORCH_INTERNAL_ASSERT(s.logits.stride(1) == 1 && s.target.is_contiguous() &&
+                        s.lse.is_contiguous());
   CudaContext ctx(s.logits);
   kernels::CeRowsArgs a;
   Tensor dloss = s.dloss.defined() ? s.dloss.contiguous() : Tensor();
@@ -206,7 +208,8 @@ Tensor grad_step(ce::ChunkStepFn step, const Tensor& dloss, const Tensor& logits
   s.target = target;
   s.lse = lse;
   s.stats = false;
-  s.grad_out = at::empty(logits.sizes(), logits.options().memory_format(at::MemoryFormat::Contiguous));
+  s.grad_out =
+      at::empty(logits.sizes(), logits.options().memory_format(at::MemoryFormat::Contiguous));
   s.dloss = dloss;
   if (red == CeReduction::kMean) s.n_valid = n_valid;
   s.ignore_index = ignore_index;
@@ -218,7 +221,8 @@ Tensor grad_step(ce::ChunkStepFn step, const Tensor& dloss, const Tensor& logits
 Tensor reference_bwd(const Tensor& dloss, const Tensor& logits, const Tensor& target,
                      const Tensor& lse, const Tensor& n_valid, int64_t ignore_index, double eps,
                      CeReduction red) {
-  return grad_step(ce::aten_chunk_step, dloss, logits, target, lse, n_valid, ignore_index, eps, red);
+  return grad_step(ce::aten_chunk_step, dloss, logits, target, lse, n_valid, ignore_index, eps,
+                   red);
 }
 
 // ---- kernelgate_cuda
@@ -286,7 +290,8 @@ template <CeBwd B>
 Tensor backward(const Tensor& dloss, const Tensor& logits, const Tensor& target, const Tensor& lse,
                 const Tensor& n_valid, int64_t ignore_index, double eps, c10::string_view reduction,
                 GradRequest) {
-  return B(dloss, logits, target, lse, n_valid, ignore_index, eps, ce::parse_reduction(kOp, reduction));
+  return B(dloss, logits, target, lse, n_valid, ignore_index, eps,
+           ce::parse_reduction(kOp, reduction));
 }
 
 void check_args(const Tensor& logits, const Tensor& target, int64_t ignore_index, double eps,
@@ -314,7 +319,8 @@ OpContract contract() {
   OpContract c;
   c.name = kOp;
   c.schema =
-      "cross_entropy(Tensor logits, Tensor target, int ignore_index=-100, float label_smoothing=0.0, "
+      "cross_entropy(Tensor logits, Tensor target, int ignore_index=-100, float "
+      "label_smoothing=0.0, "
       "str reduction=\"mean\") -> Tensor";
   c.dims = "logits: [rows, classes]; target: [rows] index";
   c.index_ranges = {{"target", "classes"}};
@@ -335,24 +341,26 @@ OpContract contract() {
 }
 
 const OpId kOpId = OpDeclaration(contract())
-    .reference(ce_reference_op)
-    .meta(meta)
-    .check(check_args)
-    .backend("reference", BackendKind::kReference, forward<reference_fwd>, backward<reference_bwd>)
+                       .reference(ce_reference_op)
+                       .meta(meta)
+                       .check(check_args)
+                       .backend("reference", BackendKind::kReference, forward<reference_fwd>,
+                                backward<reference_bwd>)
 #ifdef KERNELGATE_WITH_CUDA
-    .backend("kernelgate_cuda", BackendKind::kKernelgate, forward<cuda_fwd>, backward<cuda_bwd>,
-             cuda_can_implement, cuda_available)
+                       .backend("kernelgate_cuda", BackendKind::kKernelgate, forward<cuda_fwd>,
+                                backward<cuda_bwd>, cuda_can_implement, cuda_available)
 #else
-    .unavailable("kernelgate_cuda", BackendKind::kKernelgate, kNoCudaBuild)
+                       .unavailable("kernelgate_cuda", BackendKind::kKernelgate, kNoCudaBuild)
 #endif
-    .install();
+                       .install();
 
 }  // namespace
 
 at::Tensor cross_entropy(const at::Tensor& logits, const at::Tensor& target, int64_t ignore_index,
                          double label_smoothing, c10::string_view reduction) {
-  static const auto op = typed_op<Tensor(const Tensor&, const Tensor&, int64_t, double, c10::string_view)>(
-      "cross_entropy");
+  static const auto op =
+      typed_op<Tensor(const Tensor&, const Tensor&, int64_t, double, c10::string_view)>(
+          "cross_entropy");
   return op.call(logits, target, ignore_index, label_smoothing, reduction);
 }
 

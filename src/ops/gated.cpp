@@ -54,7 +54,8 @@ std::tuple<Tensor, Tensor> reference_bwd(const Tensor& dy, const Tensor& gate, c
     da = s * (1 + g * (1 - s));
   } else if (act == GatedActivation::kGeluErf) {
     a = act_math(g, act);
-    da = 0.5 * (1 + at::erf(g * M_SQRT1_2)) + g * at::exp(-0.5 * g * g) * (0.5 * M_2_SQRTPI * M_SQRT1_2);
+    da = 0.5 * (1 + at::erf(g * M_SQRT1_2)) +
+         g * at::exp(-0.5 * g * g) * (0.5 * M_2_SQRTPI * M_SQRT1_2);
   } else {
     a = act_math(g, act);
     da = at::gelu_backward(at::ones_like(g), g, "tanh");
@@ -100,14 +101,17 @@ using Grads = std::tuple<Tensor, Tensor>;
 template <Tensor (*Fwd)(const Tensor&, const Tensor&, GatedActivation),
           Grads (*Bwd)(const Tensor&, const Tensor&, const Tensor&, GatedActivation)>
 struct Gated {
-  static Tensor swiglu_fwd(const Tensor& g, const Tensor& u) { return Fwd(g, u, GatedActivation::kSilu); }
+  static Tensor swiglu_fwd(const Tensor& g, const Tensor& u) {
+    return Fwd(g, u, GatedActivation::kSilu);
+  }
   static Grads swiglu_bwd(const Tensor& dy, const Tensor& g, const Tensor& u) {
     return Bwd(dy, g, u, GatedActivation::kSilu);
   }
   static Tensor geglu_fwd(const Tensor& g, const Tensor& u, c10::string_view approximate) {
     return Fwd(g, u, parse_approximate(approximate));
   }
-  static Grads geglu_bwd(const Tensor& dy, const Tensor& g, const Tensor& u, c10::string_view approximate) {
+  static Grads geglu_bwd(const Tensor& dy, const Tensor& g, const Tensor& u,
+                         c10::string_view approximate) {
     return Bwd(dy, g, u, parse_approximate(approximate));
   }
 };
@@ -126,7 +130,9 @@ void check_geglu(const Tensor& gate, const Tensor& up, c10::string_view) {
               "), got ", up.sizes());
 }
 
-Tensor swiglu_meta(const Tensor& gate, const Tensor&) { return at::empty_like(gate, at::MemoryFormat::Contiguous); }
+Tensor swiglu_meta(const Tensor& gate, const Tensor&) {
+  return at::empty_like(gate, at::MemoryFormat::Contiguous);
+}
 Tensor geglu_meta(const Tensor& gate, const Tensor&, c10::string_view) {
   return at::empty_like(gate, at::MemoryFormat::Contiguous);
 }
@@ -140,42 +146,46 @@ OpContract gated_contract(const char* name, const char* schema) {
   c.dtypes = {at::kFloat, at::kHalf, at::kBFloat16};
   c.dim_ranges = {{"rows", {0, 65536}}, {"hidden", {1, 65536}}};
   for (int64_t rows : {16384, 4096}) {
-    for (int64_t hidden : {14336, 11008, 8192}) c.production_shapes.push_back({{"rows", rows}, {"hidden", hidden}});
+    for (int64_t hidden : {14336, 11008, 8192})
+      c.production_shapes.push_back({{"rows", rows}, {"hidden", hidden}});
   }
   return c;
 }
 
 OpContract geglu_contract() {
-  OpContract c = gated_contract("geglu", "geglu(Tensor gate, Tensor up, str approximate=\"tanh\") -> Tensor");
+  OpContract c =
+      gated_contract("geglu", "geglu(Tensor gate, Tensor up, str approximate=\"tanh\") -> Tensor");
   c.variant_args = {{"approximate", {"tanh", "none"}}};
   return c;
 }
 
-const OpId kSwiglu = OpDeclaration(gated_contract("swiglu", "swiglu(Tensor gate, Tensor up) -> Tensor"))
-    .reference(Reference::swiglu_fwd)
-    .meta(swiglu_meta)
-    .check(check_swiglu)
-    .backend("reference", BackendKind::kReference, Reference::swiglu_fwd, Reference::swiglu_bwd)
+const OpId kSwiglu =
+    OpDeclaration(gated_contract("swiglu", "swiglu(Tensor gate, Tensor up) -> Tensor"))
+        .reference(Reference::swiglu_fwd)
+        .meta(swiglu_meta)
+        .check(check_swiglu)
+        .backend("reference", BackendKind::kReference, Reference::swiglu_fwd, Reference::swiglu_bwd)
 #ifdef KERNELGATE_WITH_CUDA
-    .backend("kernelgate_cuda", BackendKind::kKernelgate, Cuda::swiglu_fwd, Cuda::swiglu_bwd,
-             cuda_can_implement, cuda_available)
+        .backend("kernelgate_cuda", BackendKind::kKernelgate, Cuda::swiglu_fwd, Cuda::swiglu_bwd,
+                 cuda_can_implement, cuda_available)
 #else
-    .unavailable("kernelgate_cuda", BackendKind::kKernelgate, kNoCudaBuild)
+        .unavailable("kernelgate_cuda", BackendKind::kKernelgate, kNoCudaBuild)
 #endif
-    .install();
+        .install();
 
-const OpId kGeglu = OpDeclaration(geglu_contract())
-    .reference(Reference::geglu_fwd)
-    .meta(geglu_meta)
-    .check(check_geglu)
-    .backend("reference", BackendKind::kReference, Reference::geglu_fwd, Reference::geglu_bwd)
+const OpId kGeglu =
+    OpDeclaration(geglu_contract())
+        .reference(Reference::geglu_fwd)
+        .meta(geglu_meta)
+        .check(check_geglu)
+        .backend("reference", BackendKind::kReference, Reference::geglu_fwd, Reference::geglu_bwd)
 #ifdef KERNELGATE_WITH_CUDA
-    .backend("kernelgate_cuda", BackendKind::kKernelgate, Cuda::geglu_fwd, Cuda::geglu_bwd,
-             cuda_can_implement, cuda_available)
+        .backend("kernelgate_cuda", BackendKind::kKernelgate, Cuda::geglu_fwd, Cuda::geglu_bwd,
+                 cuda_can_implement, cuda_available)
 #else
-    .unavailable("kernelgate_cuda", BackendKind::kKernelgate, kNoCudaBuild)
+        .unavailable("kernelgate_cuda", BackendKind::kKernelgate, kNoCudaBuild)
 #endif
-    .install();
+        .install();
 
 }  // namespace
 
@@ -185,7 +195,8 @@ at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up) {
 }
 
 at::Tensor geglu(const at::Tensor& gate, const at::Tensor& up, c10::string_view approximate) {
-  static const auto op = typed_op<at::Tensor(const at::Tensor&, const at::Tensor&, c10::string_view)>("geglu");
+  static const auto op =
+      typed_op<at::Tensor(const at::Tensor&, const at::Tensor&, c10::string_view)>("geglu");
   return op.call(gate, up, approximate);
 }
 

@@ -14,8 +14,8 @@ namespace {
 using at::Tensor;
 using Tensor3 = std::tuple<Tensor, Tensor, Tensor>;
 // Forward: (y, mean, rstd), the statistics float32 of x.shape[:-1] (undefined unless want_stats).
-using Fwd = Tensor3 (*)(const Tensor& x, const OptTensor& weight, const OptTensor& bias,
-                        double eps, bool want_stats);
+using Fwd = Tensor3 (*)(const Tensor& x, const OptTensor& weight, const OptTensor& bias, double eps,
+                        bool want_stats);
 // Backward: (dx, dweight, dbias), each gradient of a parameter empty when not wanted.
 using Bwd = Tensor3 (*)(const Tensor& dy, const Tensor& x, const OptTensor& weight,
                         const Tensor& mean, const Tensor& rstd, bool weight_grad, bool bias_grad);
@@ -60,11 +60,10 @@ Tensor3 reference_bwd(const Tensor& dy, const Tensor& x, const OptTensor& w, con
   Tensor r = rstd.unsqueeze(-1);
   Tensor xhat = (xf - mean.unsqueeze(-1)) * r;
   Tensor g = w ? dyf * w->to(at::kFloat) : dyf;
-  Tensor dx = r * (g - g.mean(-1, /*keepdim=*/true) -
-                   xhat * (g * xhat).mean(-1, /*keepdim=*/true));
+  Tensor dx = r * (g - g.mean(-1, /*keepdim=*/true) - xhat * (g * xhat).mean(-1, /*keepdim=*/true));
   const int64_t hidden = x.size(-1);
-  Tensor dw = weight_grad && w ? (dyf * xhat).reshape({-1, hidden}).sum(0).to(x.scalar_type())
-                               : Tensor();
+  Tensor dw =
+      weight_grad && w ? (dyf * xhat).reshape({-1, hidden}).sum(0).to(x.scalar_type()) : Tensor();
   Tensor db = bias_grad ? dyf.reshape({-1, hidden}).sum(0).to(x.scalar_type()) : Tensor();
   return {dx.to(x.scalar_type()).contiguous(), dw, db};
 }
@@ -84,9 +83,9 @@ Tensor3 aten_bwd(const Tensor& dy, const Tensor& x, const OptTensor& w, const Te
   // CUDA's native layer norm keeps float32 statistics for every input dtype, as our contract.
   // Its backward allocates dbias like bias and reads nothing else of it: a stand-in will do.
   OptTensor b = bias_grad ? OptTensor(at::empty({x.size(-1)}, x.options())) : std::nullopt;
-  auto [dx, dw, db] = at::native_layer_norm_backward(
-      dy, x, {x.size(-1)}, mean.unsqueeze(-1), rstd.unsqueeze(-1), w, b,
-      {true, weight_grad, bias_grad});
+  auto [dx, dw, db] =
+      at::native_layer_norm_backward(dy, x, {x.size(-1)}, mean.unsqueeze(-1), rstd.unsqueeze(-1), w,
+                                     b, {true, weight_grad, bias_grad});
   return {dx.contiguous(), dw, db};
 }
 
@@ -116,11 +115,10 @@ Tensor3 cuda_fwd(const Tensor& x, const OptTensor& w, const OptTensor& b, double
   p.x_row_stride = xv.row_stride;
   p.eps = static_cast<float>(eps);
   p.dtype = kernel_dtype(x.scalar_type());
-  check_cuda(kernels::layer_norm_fwd_cuda(y.data_ptr(),
-                                          want_stats ? mean.data_ptr<float>() : nullptr,
-                                          want_stats ? rstd.data_ptr<float>() : nullptr,
-                                          xv.data.const_data_ptr(), data_or_null(wc),
-                                          data_or_null(bc), p, ctx.stream),
+  check_cuda(kernels::layer_norm_fwd_cuda(
+                 y.data_ptr(), want_stats ? mean.data_ptr<float>() : nullptr,
+                 want_stats ? rstd.data_ptr<float>() : nullptr, xv.data.const_data_ptr(),
+                 data_or_null(wc), data_or_null(bc), p, ctx.stream),
              "layer_norm forward");
   return {y, mean, rstd};
 }
@@ -143,9 +141,8 @@ Tensor3 cuda_bwd(const Tensor& dy, const Tensor& x, const OptTensor& w, const Te
   p.dy_row_stride = dyv.row_stride;
   p.dtype = kernel_dtype(x.scalar_type());
   // Partial dweight / dbias sums, one row per row slot of the persistent grid.
-  const int64_t ws_floats = want_dw || bias_grad
-                                ? kernels::layer_norm_bwd_cuda_workspace_floats(p, ctx.sm_count)
-                                : 0;
+  const int64_t ws_floats =
+      want_dw || bias_grad ? kernels::layer_norm_bwd_cuda_workspace_floats(p, ctx.sm_count) : 0;
   Tensor ws = at::empty({std::max<int64_t>(1, ws_floats)}, x.options().dtype(at::kFloat));
   check_cuda(kernels::layer_norm_bwd_cuda(
                  dx.data_ptr(), want_dw ? dw.data_ptr() : nullptr,
@@ -164,7 +161,8 @@ Support cuda_can_implement(const CallView& call) {
 // ---- the protocol (kernelgate/op.h) over each backend's own signature
 
 template <Fwd F>
-Tensor3 forward(const Tensor& x, const OptTensor& w, const OptTensor& b, double eps, GradRequest need) {
+Tensor3 forward(const Tensor& x, const OptTensor& w, const OptTensor& b, double eps,
+                GradRequest need) {
   return F(x, w, b, eps, need.any());
 }
 
@@ -176,14 +174,15 @@ Tensor3 backward(const Tensor& dy, const Tensor& x, const OptTensor& w, const Op
 }
 
 void check_args(const Tensor& x, const OptTensor&, const OptTensor&, double eps) {
-  TORCH_CHECK(x.size(-1) > 0,
-              "layer_norm: x.size(-1) (hidden) must be at least 1, got 0 (shape ", x.sizes(), ")");
+  TORCH_CHECK(x.size(-1) > 0, "layer_norm: x.size(-1) (hidden) must be at least 1, got 0 (shape ",
+              x.sizes(), ")");
   TORCH_CHECK(std::isfinite(eps) && eps >= 0, "layer_norm: eps must be a finite number >= 0, got ",
               number(eps));
 }
 
 Tensor3 meta(const Tensor& x, const OptTensor&, const OptTensor&, double) {
-  return {at::empty_like(x, at::MemoryFormat::Contiguous), stats_shape_like(x), stats_shape_like(x)};
+  return {at::empty_like(x, at::MemoryFormat::Contiguous), stats_shape_like(x),
+          stats_shape_like(x)};
 }
 
 OpContract contract() {
@@ -207,25 +206,28 @@ OpContract contract() {
 }
 
 const OpId kOp = OpDeclaration(contract())
-    .reference(layer_norm_reference_op)
-    .meta(meta)
-    .check(check_args)
-    .backend("reference", BackendKind::kReference, forward<reference_fwd>, backward<reference_bwd>)
-    .backend("aten", BackendKind::kVendor, forward<aten_fwd>, backward<aten_bwd>, aten_can_implement)
+                     .reference(layer_norm_reference_op)
+                     .meta(meta)
+                     .check(check_args)
+                     .backend("reference", BackendKind::kReference, forward<reference_fwd>,
+                              backward<reference_bwd>)
+                     .backend("aten", BackendKind::kVendor, forward<aten_fwd>, backward<aten_bwd>,
+                              aten_can_implement)
 #ifdef KERNELGATE_WITH_CUDA
-    .backend("kernelgate_cuda", BackendKind::kKernelgate, forward<cuda_fwd>, backward<cuda_bwd>,
-             cuda_can_implement, cuda_available)
+                     .backend("kernelgate_cuda", BackendKind::kKernelgate, forward<cuda_fwd>,
+                              backward<cuda_bwd>, cuda_can_implement, cuda_available)
 #else
-    .unavailable("kernelgate_cuda", BackendKind::kKernelgate, kNoCudaBuild)
+                     .unavailable("kernelgate_cuda", BackendKind::kKernelgate, kNoCudaBuild)
 #endif
-    .install();
+                     .install();
 
 }  // namespace
 
 at::Tensor layer_norm(const at::Tensor& x, const std::optional<at::Tensor>& weight,
                       const std::optional<at::Tensor>& bias, double eps) {
-  static const auto op = typed_op<at::Tensor(const at::Tensor&, const std::optional<at::Tensor>&,
-                                             const std::optional<at::Tensor>&, double)>("layer_norm");
+  static const auto op =
+      typed_op<at::Tensor(const at::Tensor&, const std::optional<at::Tensor>&,
+                          const std::optional<at::Tensor>&, double)>("layer_norm");
   return op.call(x, weight, bias, eps);
 }
 

@@ -20,8 +20,8 @@
 // the 16-bit input dtype (addmm, beta = 1) it is rounded once per chunk, and with LM target
 // statistics (Zipf-like targets) its error exceeds the oracle rule (2x the materialised
 // reference's error) for 8 chunks. So kernelgate_cpu / kernelgate_cuda accumulate in float32
-// (cublasGemmEx: 16-bit A, B, float32 C, beta = 1) and round once: classes * hidden * 4 extra bytes,
-// 2.1 GB at 128256 x 4096, half the materialised float32 logits and over the 10% memory
+// (cublasGemmEx: 16-bit A, B, float32 C, beta = 1) and round once: classes * hidden * 4 extra
+// bytes, 2.1 GB at 128256 x 4096, half the materialised float32 logits and over the 10% memory
 // target. The *_narrow_accum backends accumulate in the input dtype instead (within the memory
 // target, error measured in tests/python/test_linear_cross_entropy.py): the evidence decides
 // where they are correct.
@@ -91,8 +91,8 @@ struct LoopResult {
 // How a backend runs the loop.
 struct Plan {
   ce::ChunkStepFn step;
-  bool chunked;     // false: one chunk (materialised logits)
-  bool f32_accum;   // grad_weight accumulated over chunks in float32 (see the file comment)
+  bool chunked;    // false: one chunk (materialised logits)
+  bool f32_accum;  // grad_weight accumulated over chunks in float32 (see the file comment)
 };
 
 #ifdef KERNELGATE_WITH_CUDA
@@ -116,13 +116,13 @@ void gemm_dlt_h_f32_cuda(Tensor& out, const Tensor& dl, const Tensor& hc, bool a
   const cudaDataType_t type = dl.scalar_type() == at::kBFloat16 ? CUDA_R_16BF : CUDA_R_16F;
   const float alpha = 1.f, beta = accumulate ? 1.f : 0.f;
   c10::cuda::CUDAGuard guard(out.device());
-  const cublasStatus_t st = cublasGemmEx(
-      at::cuda::getCurrentCUDABlasHandle(), CUBLAS_OP_N, CUBLAS_OP_T, int(hidden), int(classes),
-      int(c), &alpha, hc.const_data_ptr(), type, int(hc.stride(0)), dl.const_data_ptr(), type,
-      int(dl.stride(0)), &beta, out.data_ptr(), CUDA_R_32F, int(hidden), CUBLAS_COMPUTE_32F,
-      CUBLAS_GEMM_DEFAULT);
-  TORCH_CHECK(st == CUBLAS_STATUS_SUCCESS, kOp, ": cuBLAS GEMM for grad_weight failed: ",
-              cublasGetStatusString(st));
+  const cublasStatus_t st =
+      cublasGemmEx(at::cuda::getCurrentCUDABlasHandle(), CUBLAS_OP_N, CUBLAS_OP_T, int(hidden),
+                   int(classes), int(c), &alpha, hc.const_data_ptr(), type, int(hc.stride(0)),
+                   dl.const_data_ptr(), type, int(dl.stride(0)), &beta, out.data_ptr(), CUDA_R_32F,
+                   int(hidden), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+  TORCH_CHECK(st == CUBLAS_STATUS_SUCCESS, kOp,
+              ": cuBLAS GEMM for grad_weight failed: ", cublasGetStatusString(st));
 }
 #endif
 
@@ -198,7 +198,8 @@ LoopResult chunk_loop(const Args& a, const Plan& plan, int64_t chunk, bool stats
     }
     if (gb32.defined()) gb32.add_(at::sum(lc, {0}, false, at::kFloat));
   }
-  if (gw_acc.defined()) r.gw = gw_acc.scalar_type() == h.scalar_type() ? gw_acc : gw_acc.to(h.scalar_type());
+  if (gw_acc.defined())
+    r.gw = gw_acc.scalar_type() == h.scalar_type() ? gw_acc : gw_acc.to(h.scalar_type());
   if (gb32.defined()) r.gb = gb32.to(h.scalar_type());
   return r;
 }
@@ -212,7 +213,8 @@ int64_t chunk_for(const Args& a, const Plan& plan) {
   return auto_chunk_rows(a.hidden.size(0), a.weight.size(0), a.hidden.element_size());
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> loop_fwd(const Args& a, GradMask need, const Plan& plan) {
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> loop_fwd(const Args& a, GradMask need,
+                                                            const Plan& plan) {
   const Tensor n_valid = n_valid_for(a);
   const bool grad = a.red != CeReduction::kNone && need.any();
   LoopResult r = chunk_loop(a, plan, chunk_for(a, plan), /*stats=*/true, grad, need, Tensor(),
@@ -246,9 +248,7 @@ constexpr Plan kReference{ce::aten_chunk_step, false, false};
 constexpr Plan kCpu{ce::aten_chunk_step, true, true};
 constexpr Plan kCpuNarrow{ce::aten_chunk_step, true, false};
 
-Support cpu_can_implement(const CallView& call) {
-  return on_cpu(call, "hidden is not on the CPU");
-}
+Support cpu_can_implement(const CallView& call) { return on_cpu(call, "hidden is not on the CPU"); }
 
 #ifdef KERNELGATE_WITH_CUDA
 constexpr Plan kCuda{ce::cuda_chunk_step, true, true};
@@ -272,16 +272,17 @@ using Five = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>;
 using Three = std::tuple<Tensor, Tensor, Tensor>;
 
 template <Fwd F>
-Five forward(const Tensor& hidden, const Tensor& weight, const Tensor& target, const OptTensor& bias,
-             int64_t ignore_index, double eps, c10::string_view reduction, GradRequest need) {
+Five forward(const Tensor& hidden, const Tensor& weight, const Tensor& target,
+             const OptTensor& bias, int64_t ignore_index, double eps, c10::string_view reduction,
+             GradRequest need) {
   Args a{hidden, weight, target, bias, ignore_index, eps, ce::parse_reduction(kOp, reduction)};
   return F(a, mask_of(need));
 }
 
 template <Bwd B>
-Three backward(const Tensor& dloss, const Tensor& hidden, const Tensor& weight, const Tensor& target,
-               const OptTensor& bias, const Tensor& lse, int64_t ignore_index, double eps,
-               c10::string_view reduction, GradRequest need) {
+Three backward(const Tensor& dloss, const Tensor& hidden, const Tensor& weight,
+               const Tensor& target, const OptTensor& bias, const Tensor& lse, int64_t ignore_index,
+               double eps, c10::string_view reduction, GradRequest need) {
   Args a{hidden, weight, target, bias, ignore_index, eps, ce::parse_reduction(kOp, reduction)};
   const int64_t rows = hidden.size(0);
   const bool none = a.red == CeReduction::kNone;
@@ -338,15 +339,17 @@ auto& op_handle() {
 }
 
 auto& fwd_handle() {
-  static auto h = typed_op<Five(const Tensor&, const Tensor&, const Tensor&, const OptTensor&,
-                                int64_t, double, c10::string_view, int64_t)>("_linear_cross_entropy_fwd");
+  static auto h =
+      typed_op<Five(const Tensor&, const Tensor&, const Tensor&, const OptTensor&, int64_t, double,
+                    c10::string_view, int64_t)>("_linear_cross_entropy_fwd");
   return h;
 }
 
 auto& bwd_handle() {
-  static auto h = typed_op<Three(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                 const OptTensor&, const Tensor&, int64_t, double, c10::string_view,
-                                 int64_t)>("_linear_cross_entropy_bwd");
+  static auto h =
+      typed_op<Three(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const OptTensor&,
+                     const Tensor&, int64_t, double, c10::string_view, int64_t)>(
+          "_linear_cross_entropy_bwd");
   return h;
 }
 
@@ -394,7 +397,8 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
                         const Tensor& weight, const Tensor& target, const OptTensor& bias,
                         int64_t ignore_index, double eps, c10::string_view reduction) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    const GradMask need{hidden.requires_grad(), weight.requires_grad(), bias && bias->requires_grad()};
+    const GradMask need{hidden.requires_grad(), weight.requires_grad(),
+                        bias && bias->requires_grad()};
     // float16 recomputes in the backward, with the cotangent folded into dlogits before they
     // are rounded: gradients for a unit cotangent, scaled afterwards, would be rounded twice in
     // float16's subnormal range (a mean over many rows and classes puts grad_weight there), and
@@ -465,7 +469,8 @@ Tensor lce_autograd(c10::DispatchKeySet ks, const Tensor& hidden, const Tensor& 
       at::GradMode::is_enabled() &&
       (hidden.requires_grad() || weight.requires_grad() || (bias && bias->requires_grad()));
   if (needs_grad) {
-    return LinearCrossEntropyFunction::apply(hidden, weight, target, bias, ignore_index, eps, reduction);
+    return LinearCrossEntropyFunction::apply(hidden, weight, target, bias, ignore_index, eps,
+                                             reduction);
   }
   at::AutoDispatchBelowADInplaceOrView guard;
   return op_handle().redispatch(ks & c10::after_ADInplaceOrView_keyset, hidden, weight, target,
@@ -479,7 +484,8 @@ OpContract contract() {
   c.schema =
       "linear_cross_entropy(Tensor hidden, Tensor weight, Tensor target, Tensor? bias=None, "
       "int ignore_index=-100, float label_smoothing=0.0, str reduction=\"mean\") -> Tensor";
-  c.dims = "hidden: [rows, hidden]; weight: [classes, hidden]; target: [rows] index; bias?: [classes]";
+  c.dims =
+      "hidden: [rows, hidden]; weight: [classes, hidden]; target: [rows] index; bias?: [classes]";
   c.index_ranges = {{"target", "classes"}};
   c.dtypes = {at::kFloat, at::kHalf, at::kBFloat16};
   c.scalar_test_values = {{"label_smoothing", {0.0, 0.1}}};
@@ -502,35 +508,40 @@ void define_helpers(torch::Library& lib) {
   lib.def("_linear_cross_entropy_scale_(Tensor(a!) grad, Tensor cotangent) -> ()");
   // Tests: rows per chunk of the chunked backends (0: automatic); returns the previous value.
   lib.def("_linear_cross_entropy_set_chunk_rows(int rows) -> int", &set_chunk_rows);
-  lib.impl("_linear_cross_entropy_scale_", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(scale_cpu)));
+  lib.impl("_linear_cross_entropy_scale_",
+           torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(scale_cpu)));
 #ifdef KERNELGATE_WITH_CUDA
-  lib.impl("_linear_cross_entropy_scale_", torch::dispatch(c10::DispatchKey::CUDA, TORCH_FN(scale_cuda)));
+  lib.impl("_linear_cross_entropy_scale_",
+           torch::dispatch(c10::DispatchKey::CUDA, TORCH_FN(scale_cuda)));
 #endif
-  lib.impl("_linear_cross_entropy_scale_", torch::dispatch(c10::DispatchKey::Meta, TORCH_FN(scale_meta)));
+  lib.impl("_linear_cross_entropy_scale_",
+           torch::dispatch(c10::DispatchKey::Meta, TORCH_FN(scale_meta)));
   lib.impl(kOp, torch::dispatch(c10::DispatchKey::Autograd, TORCH_FN(lce_autograd)));
 }
 
-const OpId kOpId = OpDeclaration(contract())
-    .reference(lce_reference_op)
-    .meta(meta)
-    .check(check_args)
-    .backend("reference", BackendKind::kReference, forward<plan_fwd<kReference>>,
-             backward<plan_bwd<kReference>>)
-    .backend("kernelgate_cpu", BackendKind::kKernelgate, forward<plan_fwd<kCpu>>,
-             backward<plan_bwd<kCpu>>, cpu_can_implement)
-    .backend("kernelgate_cpu_narrow_accum", BackendKind::kKernelgate, forward<plan_fwd<kCpuNarrow>>,
-             backward<plan_bwd<kCpuNarrow>>, cpu_can_implement)
+const OpId kOpId =
+    OpDeclaration(contract())
+        .reference(lce_reference_op)
+        .meta(meta)
+        .check(check_args)
+        .backend("reference", BackendKind::kReference, forward<plan_fwd<kReference>>,
+                 backward<plan_bwd<kReference>>)
+        .backend("kernelgate_cpu", BackendKind::kKernelgate, forward<plan_fwd<kCpu>>,
+                 backward<plan_bwd<kCpu>>, cpu_can_implement)
+        .backend("kernelgate_cpu_narrow_accum", BackendKind::kKernelgate,
+                 forward<plan_fwd<kCpuNarrow>>, backward<plan_bwd<kCpuNarrow>>, cpu_can_implement)
 #ifdef KERNELGATE_WITH_CUDA
-    .backend("kernelgate_cuda", BackendKind::kKernelgate, forward<plan_fwd<kCuda>>,
-             backward<plan_bwd<kCuda>>, cuda_can_implement, cuda_available)
-    .backend("kernelgate_cuda_narrow_accum", BackendKind::kKernelgate, forward<plan_fwd<kCudaNarrow>>,
-             backward<plan_bwd<kCudaNarrow>>, cuda_can_implement, cuda_available)
+        .backend("kernelgate_cuda", BackendKind::kKernelgate, forward<plan_fwd<kCuda>>,
+                 backward<plan_bwd<kCuda>>, cuda_can_implement, cuda_available)
+        .backend("kernelgate_cuda_narrow_accum", BackendKind::kKernelgate,
+                 forward<plan_fwd<kCudaNarrow>>, backward<plan_bwd<kCudaNarrow>>,
+                 cuda_can_implement, cuda_available)
 #else
-    .unavailable("kernelgate_cuda", BackendKind::kKernelgate, kNoCudaBuild)
-    .unavailable("kernelgate_cuda_narrow_accum", BackendKind::kKernelgate, kNoCudaBuild)
+        .unavailable("kernelgate_cuda", BackendKind::kKernelgate, kNoCudaBuild)
+        .unavailable("kernelgate_cuda_narrow_accum", BackendKind::kKernelgate, kNoCudaBuild)
 #endif
-    .custom_autograd(define_helpers)
-    .install();
+        .custom_autograd(define_helpers)
+        .install();
 
 }  // namespace
 

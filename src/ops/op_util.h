@@ -91,8 +91,8 @@ struct CudaContext {
 };
 
 inline void check_cuda(int rc, const char* what) {
-  TORCH_CHECK(rc == 0, what, " kernel launch failed: ",
-              cudaGetErrorString(static_cast<cudaError_t>(rc)));
+  TORCH_CHECK(rc == 0, what,
+              " kernel launch failed: ", cudaGetErrorString(static_cast<cudaError_t>(rc)));
 }
 
 inline Support cuda_available() {

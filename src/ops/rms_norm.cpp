@@ -45,8 +45,8 @@ Pair reference_fwd(const Tensor& x, const OptTensor& w, double eps, GradRequest 
   return {y, need.any() ? rstd.to(at::kFloat) : Tensor()};
 }
 
-Pair reference_bwd(const Tensor& dy, const Tensor& x, const OptTensor& w, const Tensor& rstd, double,
-                   GradRequest need) {
+Pair reference_bwd(const Tensor& dy, const Tensor& x, const OptTensor& w, const Tensor& rstd,
+                   double, GradRequest need) {
   const bool weight_grad = need(1);
   Tensor xf = x.to(at::kFloat), dyf = dy.to(at::kFloat);
   Tensor r = rstd.unsqueeze(-1);
@@ -87,7 +87,9 @@ Support aten_can_implement(const CallView& call) {
 // ---- Launch preparation shared by our CPU and CUDA backends: 2-D row views, contiguous
 // weight and rstd, dense outputs and the kernel problem.
 
-int64_t grain_rows(int64_t hidden) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(hidden, 1)); }
+int64_t grain_rows(int64_t hidden) {
+  return std::max<int64_t>(1, 32768 / std::max<int64_t>(hidden, 1));
+}
 
 const void* data_or_null(const Tensor& t) { return t.defined() ? t.const_data_ptr() : nullptr; }
 
@@ -98,9 +100,11 @@ struct FwdLaunch {
 };
 
 FwdLaunch prepare_fwd(const Tensor& x, const OptTensor& w, double eps, bool want_rstd) {
-  FwdLaunch l{row_view(x), w ? w->contiguous() : Tensor(),
+  FwdLaunch l{row_view(x),
+              w ? w->contiguous() : Tensor(),
               at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous)),
-              want_rstd ? rstd_shape_like(x) : Tensor(), {}};
+              want_rstd ? rstd_shape_like(x) : Tensor(),
+              {}};
   l.p.rows = l.xv.rows;
   l.p.hidden = x.size(-1);
   l.p.x_row_stride = l.xv.row_stride;
@@ -141,8 +145,9 @@ Pair cpu_bwd(const Tensor& dy, const Tensor& x, const OptTensor& w, const Tensor
   BwdLaunch l = prepare_bwd(dy, x, w, rstd, need(1));
   const auto& p = l.f.p;
   // One float32 partial row per pool thread; summed and cast once at the end.
-  Tensor partial = l.want_dw ? at::zeros({at::get_num_threads(), p.hidden}, x.options().dtype(at::kFloat))
-                             : Tensor();
+  Tensor partial = l.want_dw
+                       ? at::zeros({at::get_num_threads(), p.hidden}, x.options().dtype(at::kFloat))
+                       : Tensor();
   at::parallel_for(0, p.rows, grain_rows(p.hidden), [&](int64_t b, int64_t e) {
     float* part = l.want_dw ? partial[at::get_thread_num()].data_ptr<float>() : nullptr;
     kernels::rms_norm_bwd_cpu(l.f.y.data_ptr(), part, l.dyv.data.const_data_ptr(),
@@ -153,9 +158,7 @@ Pair cpu_bwd(const Tensor& dy, const Tensor& x, const OptTensor& w, const Tensor
   return {l.f.y, dw};
 }
 
-Support cpu_can_implement(const CallView& call) {
-  return on_cpu(call, "x is not on the CPU");
-}
+Support cpu_can_implement(const CallView& call) { return on_cpu(call, "x is not on the CPU"); }
 
 // ---- kernelgate_cuda: our CUDA kernels.
 
@@ -164,10 +167,10 @@ Pair cuda_fwd(const Tensor& x, const OptTensor& w, double eps, GradRequest need)
   const bool want_rstd = need.any();
   CudaContext ctx(x);
   FwdLaunch l = prepare_fwd(x, w, eps, want_rstd);
-  check_cuda(kernels::rms_norm_fwd_cuda(l.y.data_ptr(), want_rstd ? l.rstd.data_ptr<float>() : nullptr,
-                                        l.xv.data.const_data_ptr(), data_or_null(l.wc), l.p,
-                                        ctx.stream),
-             "rms_norm forward");
+  check_cuda(
+      kernels::rms_norm_fwd_cuda(l.y.data_ptr(), want_rstd ? l.rstd.data_ptr<float>() : nullptr,
+                                 l.xv.data.const_data_ptr(), data_or_null(l.wc), l.p, ctx.stream),
+      "rms_norm forward");
   return {l.y, l.rstd};
 }
 
@@ -215,7 +218,8 @@ OpContract contract() {
   c.scalar_test_values = {{"eps", {1e-6, 1e-5, 0.1}}};
   c.dim_ranges = {{"rows", {0, 65536}}, {"hidden", {1, 65536}}};
   for (int64_t rows : {16384, 4096, 65536}) {
-    for (int64_t hidden : {4096, 2048, 8192}) c.production_shapes.push_back({{"rows", rows}, {"hidden", hidden}});
+    for (int64_t hidden : {4096, 2048, 8192})
+      c.production_shapes.push_back({{"rows", rows}, {"hidden", hidden}});
   }
   c.outputs = {"y"};
   c.extras = {"rstd"};
@@ -223,25 +227,27 @@ OpContract contract() {
   return c;
 }
 
-const OpId kOp = OpDeclaration(contract())
-    .reference(rms_norm_reference_op)
-    .meta(meta)
-    .check(check_scalars)
-    .backend("reference", BackendKind::kReference, reference_fwd, reference_bwd)
-    .backend("aten", BackendKind::kVendor, aten_fwd, aten_bwd, aten_can_implement)
-    .backend("kernelgate_cpu", BackendKind::kKernelgate, cpu_fwd, cpu_bwd, cpu_can_implement)
+const OpId kOp =
+    OpDeclaration(contract())
+        .reference(rms_norm_reference_op)
+        .meta(meta)
+        .check(check_scalars)
+        .backend("reference", BackendKind::kReference, reference_fwd, reference_bwd)
+        .backend("aten", BackendKind::kVendor, aten_fwd, aten_bwd, aten_can_implement)
+        .backend("kernelgate_cpu", BackendKind::kKernelgate, cpu_fwd, cpu_bwd, cpu_can_implement)
 #ifdef KERNELGATE_WITH_CUDA
-    .backend("kernelgate_cuda", BackendKind::kKernelgate, cuda_fwd, cuda_bwd, cuda_can_implement,
-             cuda_available)
+        .backend("kernelgate_cuda", BackendKind::kKernelgate, cuda_fwd, cuda_bwd,
+                 cuda_can_implement, cuda_available)
 #else
-    .unavailable("kernelgate_cuda", BackendKind::kKernelgate, kNoCudaBuild)
+        .unavailable("kernelgate_cuda", BackendKind::kKernelgate, kNoCudaBuild)
 #endif
-    .install();
+        .install();
 
 }  // namespace
 
 at::Tensor rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& weight, double eps) {
-  static const auto op = typed_op<at::Tensor(const at::Tensor&, const std::optional<at::Tensor>&, double)>("rms_norm");
+  static const auto op =
+      typed_op<at::Tensor(const at::Tensor&, const std::optional<at::Tensor>&, double)>("rms_norm");
   return op.call(x, weight, eps);
 }
 

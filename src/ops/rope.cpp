@@ -33,15 +33,15 @@ using NormBwd = TensorQuad (*)(const Tensor& gq, const Tensor& gk, const Tensor&
 // ---- reference: ATen in float32 (float64 for float64 inputs: the oracle). Its autograd, as the
 // ops _rope_reference / _qk_norm_rope_reference, is the gradient contract.
 
-Tensor in_dtype(const Tensor& t, at::ScalarType acc) { return t.scalar_type() == acc ? t : t.to(acc); }
+Tensor in_dtype(const Tensor& t, at::ScalarType acc) {
+  return t.scalar_type() == acc ? t : t.to(acc);
+}
 
 at::ScalarType acc_type(const Tensor& x) { return at::promote_types(x.scalar_type(), at::kFloat); }
 
 // t in x's dtype, contiguous: the layout every backend returns (and the Meta impls promise),
 // whatever layout ATen's elementwise ops chose for a strided x.
-Tensor dense(const Tensor& t, const Tensor& x) {
-  return in_dtype(t, x.scalar_type()).contiguous();
-}
+Tensor dense(const Tensor& t, const Tensor& x) { return in_dtype(t, x.scalar_type()).contiguous(); }
 
 Tensor rotate_half(const Tensor& x) {
   const int64_t h = x.size(-1) / 2;
@@ -50,26 +50,33 @@ Tensor rotate_half(const Tensor& x) {
 
 // cos / sin [cos_batch, seq, head_dim] -> [cos_batch, 1, seq, head_dim] in acc, detached: they
 // broadcast over heads (and over batch when cos_batch is 1) and get no gradient.
-Tensor per_head(const Tensor& cs, at::ScalarType acc) { return in_dtype(cs.detach(), acc).unsqueeze(1); }
+Tensor per_head(const Tensor& cs, at::ScalarType acc) {
+  return in_dtype(cs.detach(), acc).unsqueeze(1);
+}
 
 // x in acc; c, s from per_head.
-Tensor rope_math(const Tensor& x, const Tensor& c, const Tensor& s) { return x * c + rotate_half(x) * s; }
+Tensor rope_math(const Tensor& x, const Tensor& c, const Tensor& s) {
+  return x * c + rotate_half(x) * s;
+}
 
 // The transpose of rope_math: rotate_half's transpose is -rotate_half.
 Tensor rope_math_bwd(const Tensor& g, const Tensor& c, const Tensor& s) {
   return g * c - rotate_half(g * s);
 }
 
-TensorPair rope_reference_fwd(const Tensor& q, const Tensor& k, const Tensor& cos, const Tensor& sin) {
+TensorPair rope_reference_fwd(const Tensor& q, const Tensor& k, const Tensor& cos,
+                              const Tensor& sin) {
   const auto acc = acc_type(q);
   Tensor c = per_head(cos, acc), s = per_head(sin, acc);
   return {dense(rope_math(in_dtype(q, acc), c, s), q), dense(rope_math(in_dtype(k, acc), c, s), k)};
 }
 
-TensorPair rope_reference_bwd(const Tensor& gq, const Tensor& gk, const Tensor& cos, const Tensor& sin) {
+TensorPair rope_reference_bwd(const Tensor& gq, const Tensor& gk, const Tensor& cos,
+                              const Tensor& sin) {
   const auto acc = acc_type(gq);
   Tensor c = per_head(cos, acc), s = per_head(sin, acc);
-  return {dense(rope_math_bwd(in_dtype(gq, acc), c, s), gq), dense(rope_math_bwd(in_dtype(gk, acc), c, s), gk)};
+  return {dense(rope_math_bwd(in_dtype(gq, acc), c, s), gq),
+          dense(rope_math_bwd(in_dtype(gk, acc), c, s), gk)};
 }
 
 // Per-head rms_norm in acc: (x rstd w, rstd [batch, heads, seq]).
@@ -121,7 +128,8 @@ TensorQuad norm_reference_bwd(const Tensor& gq, const Tensor& gk, const Tensor& 
   return {dq, dk, dqw, dkw};
 }
 
-TensorPair rope_reference_op(const Tensor& q, const Tensor& k, const Tensor& cos, const Tensor& sin) {
+TensorPair rope_reference_op(const Tensor& q, const Tensor& k, const Tensor& cos,
+                             const Tensor& sin) {
   return rope_reference_fwd(q, k, cos, sin);
 }
 
@@ -135,7 +143,9 @@ TensorPair norm_reference_op(const Tensor& q, const Tensor& k, const Tensor& qw,
 
 #ifdef KERNELGATE_WITH_CUDA
 // The kernels need a unit-stride last dim (any strides elsewhere): copy only when it is not.
-Tensor unit_last(const Tensor& t) { return t.size(-1) <= 1 || t.stride(-1) == 1 ? t : t.contiguous(); }
+Tensor unit_last(const Tensor& t) {
+  return t.size(-1) <= 1 || t.stride(-1) == 1 ? t : t.contiguous();
+}
 
 // Strides of the first three dims; a dim of size 1 gets stride 0 (never stepped, and then its
 // stride cannot keep the vectorised path from being taken).
@@ -144,7 +154,9 @@ kernels::RopeStrides strides_of(const Tensor& t) {
   return {st(0), st(1), st(2)};
 }
 
-Tensor dense_like(const Tensor& t) { return at::empty(t.sizes(), t.options().memory_format(at::MemoryFormat::Contiguous)); }
+Tensor dense_like(const Tensor& t) {
+  return at::empty(t.sizes(), t.options().memory_format(at::MemoryFormat::Contiguous));
+}
 
 kernels::RopeProblem problem(const Tensor& q, const Tensor& k, const Tensor& cos, const Tensor& sin,
                              const Tensor& q_out, const Tensor& k_out) {
@@ -166,14 +178,14 @@ kernels::RopeProblem problem(const Tensor& q, const Tensor& k, const Tensor& cos
   return p;
 }
 
-TensorPair rope_cuda_apply(const Tensor& x_q, const Tensor& x_k, const Tensor& cos, const Tensor& sin,
-                           bool backward) {
+TensorPair rope_cuda_apply(const Tensor& x_q, const Tensor& x_k, const Tensor& cos,
+                           const Tensor& sin, bool backward) {
   CudaContext ctx(x_q);
   Tensor q = unit_last(x_q), k = unit_last(x_k), c = unit_last(cos), s = unit_last(sin);
   Tensor qo = dense_like(q), ko = dense_like(k);
-  check_cuda(kernels::rope_cuda(qo.data_ptr(), ko.data_ptr(), q.const_data_ptr(), k.const_data_ptr(),
-                                c.const_data_ptr(), s.const_data_ptr(), problem(q, k, c, s, qo, ko),
-                                backward, ctx.stream),
+  check_cuda(kernels::rope_cuda(qo.data_ptr(), ko.data_ptr(), q.const_data_ptr(),
+                                k.const_data_ptr(), c.const_data_ptr(), s.const_data_ptr(),
+                                problem(q, k, c, s, qo, ko), backward, ctx.stream),
              backward ? "rope backward" : "rope forward");
   return {qo, ko};
 }
@@ -216,7 +228,8 @@ TensorQuad norm_cuda_bwd(const Tensor& g_q, const Tensor& g_k, const Tensor& x_q
   kernels::RopeProblem p = problem(gq, gk, c, s, dq, dk);
   Tensor dqw = weight_grad ? at::empty_like(qwc) : at::empty({0}, qw.options());
   Tensor dkw = weight_grad ? at::empty_like(kwc) : at::empty({0}, kw.options());
-  const int64_t ws_floats = weight_grad ? kernels::qk_norm_rope_bwd_workspace_floats(p, ctx.sm_count) : 0;
+  const int64_t ws_floats =
+      weight_grad ? kernels::qk_norm_rope_bwd_workspace_floats(p, ctx.sm_count) : 0;
   Tensor ws = at::empty({std::max<int64_t>(1, ws_floats)}, q.options().dtype(at::kFloat));
   check_cuda(kernels::qk_norm_rope_bwd_cuda(
                  dq.data_ptr(), dk.data_ptr(), weight_grad ? dqw.data_ptr() : nullptr,
@@ -232,7 +245,8 @@ TensorQuad norm_cuda_bwd(const Tensor& g_q, const Tensor& g_k, const Tensor& x_q
 Support rope_cuda_can_implement(const CallView& call) {
   if (Support s = cuda_sm80(call, "q is not on a CUDA device"); !s.ok) return s;
   const Tensor& q = *call.tensors[0];
-  if (q.size(-1) > 65536) return Support::no("head_dim above 65536 is not supported by the CUDA kernel");
+  if (q.size(-1) > 65536)
+    return Support::no("head_dim above 65536 is not supported by the CUDA kernel");
   return Support::yes();
 }
 
@@ -240,7 +254,8 @@ Support norm_cuda_can_implement(const CallView& call) {
   if (Support s = cuda_sm80(call, "q is not on a CUDA device"); !s.ok) return s;
   const Tensor& q = *call.tensors[0];
   // The backward keeps two float32 rows of weight-gradient sums in 48 KiB of shared memory.
-  if (q.size(-1) > 4096) return Support::no("head_dim above 4096 is not supported by the CUDA kernel");
+  if (q.size(-1) > 4096)
+    return Support::no("head_dim above 4096 is not supported by the CUDA kernel");
   return Support::yes();
 }
 #endif
@@ -253,9 +268,10 @@ void check_rope_shapes(const char* op, const Tensor& q, const Tensor& cos) {
               ": head_dim (q.size(-1)) must be a positive even number (rope rotates its two "
               "halves), got ",
               q.size(-1));
-  TORCH_CHECK(cos.size(0) == 1 || cos.size(0) == q.size(0), op,
-              ": cos.size(0) and sin.size(0) must be 1 (shared by the batch) or batch (q.size(0) = ",
-              q.size(0), "), got ", cos.size(0));
+  TORCH_CHECK(
+      cos.size(0) == 1 || cos.size(0) == q.size(0), op,
+      ": cos.size(0) and sin.size(0) must be 1 (shared by the batch) or batch (q.size(0) = ",
+      q.size(0), "), got ", cos.size(0));
 }
 
 void check_rope(const Tensor& q, const Tensor&, const Tensor& cos, const Tensor&) {
@@ -265,8 +281,8 @@ void check_rope(const Tensor& q, const Tensor&, const Tensor& cos, const Tensor&
 void check_norm(const Tensor& q, const Tensor&, const Tensor&, const Tensor&, const Tensor& cos,
                 const Tensor&, double eps) {
   check_rope_shapes("qk_norm_rope", q, cos);
-  TORCH_CHECK(std::isfinite(eps) && eps >= 0, "qk_norm_rope: eps must be a finite number >= 0, got ",
-              number(eps));
+  TORCH_CHECK(std::isfinite(eps) && eps >= 0,
+              "qk_norm_rope: eps must be a finite number >= 0, got ", number(eps));
 }
 
 Tensor dense_meta(const Tensor& t) { return at::empty_like(t, at::MemoryFormat::Contiguous); }
@@ -300,15 +316,22 @@ TensorQuad norm_backward(const Tensor& gq, const Tensor& gk, const Tensor& q, co
 void add_llm_shapes(OpContract& c) {
   // (batch, q_heads, kv_heads, seq, head_dim): Llama-3 8B (GQA 32/8), Llama-3 70B (64/8),
   // Qwen3 (GQA, head_dim 128), a long single sequence, MHA with head_dim 64.
-  const int64_t shapes[][5] = {{4, 32, 8, 4096, 128}, {1, 64, 8, 8192, 128}, {8, 32, 8, 2048, 128},
-                               {1, 32, 8, 32768, 128}, {16, 16, 16, 1024, 64}};
+  const int64_t shapes[][5] = {{4, 32, 8, 4096, 128},
+                               {1, 64, 8, 8192, 128},
+                               {8, 32, 8, 2048, 128},
+                               {1, 32, 8, 32768, 128},
+                               {16, 16, 16, 1024, 64}};
   for (const auto& s : shapes) {
-    c.production_shapes.push_back({{"batch", s[0]}, {"q_heads", s[1]}, {"kv_heads", s[2]},
-                                   {"seq", s[3]}, {"head_dim", s[4]}, {"cos_batch", 1}});
+    c.production_shapes.push_back({{"batch", s[0]},
+                                   {"q_heads", s[1]},
+                                   {"kv_heads", s[2]},
+                                   {"seq", s[3]},
+                                   {"head_dim", s[4]},
+                                   {"cos_batch", 1}});
   }
   // cos_batch is 1 or batch; the harness varies dims one at a time, so it keeps 1.
-  c.dim_ranges = {{"batch", {1, 64}},    {"q_heads", {1, 128}},  {"kv_heads", {1, 128}},
-                  {"seq", {1, 65536}},   {"head_dim", {2, 512}}, {"cos_batch", {1, 1}}};
+  c.dim_ranges = {{"batch", {1, 64}},  {"q_heads", {1, 128}},  {"kv_heads", {1, 128}},
+                  {"seq", {1, 65536}}, {"head_dim", {2, 512}}, {"cos_batch", {1, 1}}};
   c.dim_multiples = {{"head_dim", 2}};  // rope rotates two halves
   c.outputs = {"q_out", "k_out"};
   // cos and sin are constants to autograd (the reference detaches them).
@@ -319,8 +342,9 @@ OpContract rope_contract() {
   OpContract c;
   c.name = "rope";
   c.schema = "rope(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)";
-  c.dims = "q: [batch, q_heads, seq, head_dim]; k: [batch, kv_heads, seq, head_dim]; "
-           "cos: [cos_batch, seq, head_dim]; sin: [cos_batch, seq, head_dim]";
+  c.dims =
+      "q: [batch, q_heads, seq, head_dim]; k: [batch, kv_heads, seq, head_dim]; "
+      "cos: [cos_batch, seq, head_dim]; sin: [cos_batch, seq, head_dim]";
   c.dtypes = {at::kFloat, at::kHalf, at::kBFloat16};
   add_llm_shapes(c);
   c.output_inputs = {{"q_out", {"q"}}, {"k_out", {"k"}}};
@@ -334,11 +358,13 @@ OpContract qk_norm_rope_contract() {
   OpContract c;
   c.name = "qk_norm_rope";
   c.source_stem = "rope";
-  c.schema = "qk_norm_rope(Tensor q, Tensor k, Tensor q_weight, Tensor k_weight, Tensor cos, "
-             "Tensor sin, float eps=1e-06) -> (Tensor, Tensor)";
-  c.dims = "q: [batch, q_heads, seq, head_dim]; k: [batch, kv_heads, seq, head_dim]; "
-           "q_weight: [head_dim]; k_weight: [head_dim]; "
-           "cos: [cos_batch, seq, head_dim]; sin: [cos_batch, seq, head_dim]";
+  c.schema =
+      "qk_norm_rope(Tensor q, Tensor k, Tensor q_weight, Tensor k_weight, Tensor cos, "
+      "Tensor sin, float eps=1e-06) -> (Tensor, Tensor)";
+  c.dims =
+      "q: [batch, q_heads, seq, head_dim]; k: [batch, kv_heads, seq, head_dim]; "
+      "q_weight: [head_dim]; k_weight: [head_dim]; "
+      "cos: [cos_batch, seq, head_dim]; sin: [cos_batch, seq, head_dim]";
   c.dtypes = {at::kFloat, at::kHalf, at::kBFloat16};
   c.scalar_test_values = {{"eps", {1e-6, 1e-5, 0.1}}};
   add_llm_shapes(c);
@@ -348,46 +374,51 @@ OpContract qk_norm_rope_contract() {
   return c;
 }
 
-const OpId kRope = OpDeclaration(rope_contract())
-    .reference(rope_reference_op)
-    .meta(rope_meta)
-    .check(check_rope)
-    .backend("reference", BackendKind::kReference, rope_reference_fwd, rope_reference_bwd)
+const OpId kRope =
+    OpDeclaration(rope_contract())
+        .reference(rope_reference_op)
+        .meta(rope_meta)
+        .check(check_rope)
+        .backend("reference", BackendKind::kReference, rope_reference_fwd, rope_reference_bwd)
 #ifdef KERNELGATE_WITH_CUDA
-    .backend("kernelgate_cuda", BackendKind::kKernelgate, rope_cuda_fwd, rope_cuda_bwd,
-             rope_cuda_can_implement, cuda_available)
+        .backend("kernelgate_cuda", BackendKind::kKernelgate, rope_cuda_fwd, rope_cuda_bwd,
+                 rope_cuda_can_implement, cuda_available)
 #else
-    .unavailable("kernelgate_cuda", BackendKind::kKernelgate, kNoCudaBuild)
+        .unavailable("kernelgate_cuda", BackendKind::kKernelgate, kNoCudaBuild)
 #endif
-    .install();
+        .install();
 
-const OpId kQkNormRope = OpDeclaration(qk_norm_rope_contract())
-    .reference(norm_reference_op)
-    .meta(norm_meta)
-    .check(check_norm)
-    .backend("reference", BackendKind::kReference, norm_forward<norm_reference_fwd>,
-             norm_backward<norm_reference_bwd>)
+const OpId kQkNormRope =
+    OpDeclaration(qk_norm_rope_contract())
+        .reference(norm_reference_op)
+        .meta(norm_meta)
+        .check(check_norm)
+        .backend("reference", BackendKind::kReference, norm_forward<norm_reference_fwd>,
+                 norm_backward<norm_reference_bwd>)
 #ifdef KERNELGATE_WITH_CUDA
-    .backend("kernelgate_cuda", BackendKind::kKernelgate, norm_forward<norm_cuda_fwd>,
-             norm_backward<norm_cuda_bwd>, norm_cuda_can_implement, cuda_available)
+        .backend("kernelgate_cuda", BackendKind::kKernelgate, norm_forward<norm_cuda_fwd>,
+                 norm_backward<norm_cuda_bwd>, norm_cuda_can_implement, cuda_available)
 #else
-    .unavailable("kernelgate_cuda", BackendKind::kKernelgate, kNoCudaBuild)
+        .unavailable("kernelgate_cuda", BackendKind::kKernelgate, kNoCudaBuild)
 #endif
-    .install();
+        .install();
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor> rope(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
-                                        const at::Tensor& sin) {
-  static const auto op = typed_op<TensorPair(const Tensor&, const Tensor&, const Tensor&, const Tensor&)>("rope");
+std::tuple<at::Tensor, at::Tensor> rope(const at::Tensor& q, const at::Tensor& k,
+                                        const at::Tensor& cos, const at::Tensor& sin) {
+  static const auto op =
+      typed_op<TensorPair(const Tensor&, const Tensor&, const Tensor&, const Tensor&)>("rope");
   return op.call(q, k, cos, sin);
 }
 
 std::tuple<at::Tensor, at::Tensor> qk_norm_rope(const at::Tensor& q, const at::Tensor& k,
-                                                const at::Tensor& q_weight, const at::Tensor& k_weight,
-                                                const at::Tensor& cos, const at::Tensor& sin, double eps) {
-  static const auto op = typed_op<TensorPair(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                             const Tensor&, const Tensor&, double)>("qk_norm_rope");
+                                                const at::Tensor& q_weight,
+                                                const at::Tensor& k_weight, const at::Tensor& cos,
+                                                const at::Tensor& sin, double eps) {
+  static const auto op =
+      typed_op<TensorPair(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                          const Tensor&, double)>("qk_norm_rope");
   return op.call(q, k, q_weight, k_weight, cos, sin, eps);
 }
 

@@ -38,7 +38,8 @@ py::object to_py(const c10::IValue& v) {
 py::tuple pop_args(torch::jit::Stack& s, size_t n) {
   py::tuple args(n);
   const size_t base = s.size() - n;
-  for (size_t i = 0; i < n; ++i) PyTuple_SET_ITEM(args.ptr(), i, to_py(s[base + i]).release().ptr());
+  for (size_t i = 0; i < n; ++i)
+    PyTuple_SET_ITEM(args.ptr(), i, to_py(s[base + i]).release().ptr());
   torch::jit::drop(s, n);
   return args;
 }
@@ -52,7 +53,8 @@ std::vector<at::Tensor> tensors_of(const py::handle& r, const std::string& what)
     } else if (THPVariable_Check(h.ptr())) {
       out.push_back(THPVariable_Unpack(h.ptr()));
     } else {
-      TORCH_CHECK(false, what, " returned a ", std::string(py::str(py::type::of(h).attr("__name__"))),
+      TORCH_CHECK(false, what, " returned a ",
+                  std::string(py::str(py::type::of(h).attr("__name__"))),
                   " where a tensor was expected");
     }
   };
@@ -102,8 +104,11 @@ std::string names(const std::vector<std::string>& v) {
 class PythonBackend final : public BackendImpl {
  public:
   PythonBackend(std::string what, Protocol p, py::object fwd, py::object bwd)
-      : what_(std::move(what)), fwd_what_(what_ + " forward"), bwd_what_(what_ + " backward"),
-        p_(std::move(p)), fwd_(new py::object(std::move(fwd))),
+      : what_(std::move(what)),
+        fwd_what_(what_ + " forward"),
+        bwd_what_(what_ + " backward"),
+        p_(std::move(p)),
+        fwd_(new py::object(std::move(fwd))),
         bwd_(bwd.is_none() ? nullptr : new py::object(std::move(bwd))) {}
 
   // Returns the outputs, or the outputs and the extras (required when gradients are needed).
@@ -115,8 +120,8 @@ class PythonBackend final : public BackendImpl {
     TORCH_CHECK(got.size() == p_.n_out + p_.n_extra || (!extras_needed && got.size() == p_.n_out),
                 what_, " forward returned ", got.size(), " tensors, expected ", p_.n_out, " (",
                 names(p_.outputs), ")",
-                p_.n_extra ? " followed by " + std::to_string(p_.n_extra) + " (" + names(p_.extras) +
-                                 ") when gradients are needed"
+                p_.n_extra ? " followed by " + std::to_string(p_.n_extra) + " (" +
+                                 names(p_.extras) + ") when gradients are needed"
                            : std::string());
     got.resize(p_.n_out + p_.n_extra);
     for (auto& t : got) s.emplace_back(std::move(t));
@@ -203,7 +208,8 @@ py::object FastOp::call(const py::args& args) const {
   HANDLE_TH_ERRORS
   const size_t n = args.size();
   // What only torch's own path handles: a __torch_function__ mode, too many arguments.
-  if (n > kinds_.size() || at::impl::torch_function_mode_enabled()) return py::reinterpret_borrow<py::object>(Py_NotImplemented);
+  if (n > kinds_.size() || at::impl::torch_function_mode_enabled())
+    return py::reinterpret_borrow<py::object>(Py_NotImplemented);
   torch::jit::Stack stack;
   stack.reserve(kinds_.size());
   for (size_t i = 0; i < kinds_.size(); ++i) {
@@ -222,7 +228,8 @@ py::object FastOp::call(const py::args& args) const {
         [[fallthrough]];
       case 'T':
         // Exact tensors only: subclasses and proxies take torch's path (__torch_function__).
-        if (!THPVariable_CheckExact(o)) return py::reinterpret_borrow<py::object>(Py_NotImplemented);
+        if (!THPVariable_CheckExact(o))
+          return py::reinterpret_borrow<py::object>(Py_NotImplemented);
         stack.emplace_back(THPVariable_Unpack(o));
         break;
       case 'f':
@@ -232,7 +239,8 @@ py::object FastOp::call(const py::args& args) const {
         stack.emplace_back(PyFloat_AsDouble(o));
         break;
       case 'i':
-        if (!PyLong_Check(o) || PyBool_Check(o)) return py::reinterpret_borrow<py::object>(Py_NotImplemented);
+        if (!PyLong_Check(o) || PyBool_Check(o))
+          return py::reinterpret_borrow<py::object>(Py_NotImplemented);
         stack.emplace_back(static_cast<int64_t>(PyLong_AsLongLong(o)));
         break;
       case 'b':
@@ -243,8 +251,7 @@ py::object FastOp::call(const py::args& args) const {
         if (!PyUnicode_Check(o)) return py::reinterpret_borrow<py::object>(Py_NotImplemented);
         stack.emplace_back(std::string(PyUnicode_AsUTF8(o)));
         break;
-      default:
-        return py::reinterpret_borrow<py::object>(Py_NotImplemented);
+      default: return py::reinterpret_borrow<py::object>(Py_NotImplemented);
     }
     if (PyErr_Occurred()) return py::reinterpret_borrow<py::object>(Py_NotImplemented);  // overflow
   }
@@ -256,7 +263,8 @@ py::object FastOp::call(const py::args& args) const {
     py::gil_scoped_release release;
     handle_.callBoxed(stack);
   }
-  if (returns_ == 1) return py::reinterpret_steal<py::object>(THPVariable_Wrap(stack[0].toTensor()));
+  if (returns_ == 1)
+    return py::reinterpret_steal<py::object>(THPVariable_Wrap(stack[0].toTensor()));
   py::tuple out(stack.size());
   for (size_t i = 0; i < stack.size(); ++i) {
     PyTuple_SET_ITEM(out.ptr(), i, THPVariable_Wrap(stack[i].toTensor()));
@@ -278,13 +286,16 @@ int register_python_backend(const std::string& op, const std::string& name, py::
     const char* why = intern(reason);
     d.available = [why] { return Support::no(why); };
   } else {
-    d.impl = std::make_shared<PythonBackend>(op + " backend '" + name + "'", protocol_of(e->contract),
-                                             std::move(forward), std::move(backward));
+    d.impl =
+        std::make_shared<PythonBackend>(op + " backend '" + name + "'", protocol_of(e->contract),
+                                        std::move(forward), std::move(backward));
     if (!can_implement.is_none()) {
-      d.can_implement = python_can_implement(std::move(can_implement), op + " backend '" + name + "'");
+      d.can_implement =
+          python_can_implement(std::move(can_implement), op + " backend '" + name + "'");
     }
   }
-  py::gil_scoped_release release;  // the dispatcher takes its lock; a router may hold it waiting for us
+  py::gil_scoped_release
+      release;  // the dispatcher takes its lock; a router may hold it waiting for us
   return Dispatcher::get().add_backend(e->id, std::move(d));
 }
 
@@ -303,7 +314,8 @@ OpId define_python_op(const py::dict& spec) {
   for (const auto& [k, v] : spec["dim_ranges"].cast<py::dict>()) {
     c.dim_ranges[k.cast<std::string>()] = v.cast<std::pair<int64_t, int64_t>>();
   }
-  c.production_shapes = spec["production_shapes"].cast<std::vector<std::map<std::string, int64_t>>>();
+  c.production_shapes =
+      spec["production_shapes"].cast<std::vector<std::map<std::string, int64_t>>>();
   for (const auto& [k, v] : spec["variants"].cast<py::dict>()) {
     c.variant_args.emplace_back(k.cast<std::string>(), v.cast<std::vector<std::string>>());
   }
@@ -320,7 +332,8 @@ OpId define_python_op(const py::dict& spec) {
     py::gil_scoped_acquire gil;
     py::tuple args = pop_args(s, nargs);
     auto got = tensors_of(call(*reference, args, what), what);
-    TORCH_CHECK(got.size() == n_out, what, " returned ", got.size(), " tensors, the schema says ", n_out);
+    TORCH_CHECK(got.size() == n_out, what, " returned ", got.size(), " tensors, the schema says ",
+                n_out);
     for (auto& t : got) {
       TORCH_CHECK(t.defined(), what, " returned None where a tensor was expected");
       s.emplace_back(dense ? t.contiguous() : t);

@@ -35,8 +35,9 @@ class FastOp {
 // forward only) (*_<op>_bwd args without the mask) -> one gradient per differentiable tensor
 // argument; can_implement(*tensor_args) -> True / None (yes), False or a reason (no). An
 // unavailable backend is listed with `reason`. `version` joins its evidence's fingerprint.
-int register_python_backend(const std::string& op, const std::string& name, pybind11::object forward,
-                            pybind11::object backward, pybind11::object can_implement, bool available,
+int register_python_backend(const std::string& op, const std::string& name,
+                            pybind11::object forward, pybind11::object backward,
+                            pybind11::object can_implement, bool available,
                             const std::string& reason, const std::string& version);
 
 // Defines an op from a spec (kernelgate/_define.py builds it): schema, dims, dtypes, test

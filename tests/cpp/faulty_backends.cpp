@@ -35,11 +35,13 @@ std::tuple<Tensor, Tensor> bwd(const Tensor& dy, const Tensor& x, const OptTenso
 }
 
 // Leaves the last row of y unwritten (fresh, poisoned memory).
-std::tuple<Tensor, Tensor> skips_last_row(const Tensor& x, const OptTensor& w, double eps, GradRequest) {
+std::tuple<Tensor, Tensor> skips_last_row(const Tensor& x, const OptTensor& w, double eps,
+                                          GradRequest) {
   auto [y, rstd] = correct(x, w, eps);
   Tensor out = at::empty(y.sizes(), y.options());
   int64_t rows = y.numel() / std::max<int64_t>(y.size(-1), 1);
-  if (rows > 1) out.view({rows, -1}).narrow(0, 0, rows - 1).copy_(y.reshape({rows, -1}).narrow(0, 0, rows - 1));
+  if (rows > 1)
+    out.view({rows, -1}).narrow(0, 0, rows - 1).copy_(y.reshape({rows, -1}).narrow(0, 0, rows - 1));
   return {out, rstd};
 }
 
@@ -48,7 +50,8 @@ std::tuple<Tensor, Tensor> ignores_eps(const Tensor& x, const OptTensor& w, doub
 }
 
 // Writes only the first half of each row.
-std::tuple<Tensor, Tensor> partial_write(const Tensor& x, const OptTensor& w, double eps, GradRequest) {
+std::tuple<Tensor, Tensor> partial_write(const Tensor& x, const OptTensor& w, double eps,
+                                         GradRequest) {
   auto [y, rstd] = correct(x, w, eps);
   Tensor out = at::empty(y.sizes(), y.options());
   int64_t half = (y.size(-1) + 1) / 2;
@@ -57,18 +60,21 @@ std::tuple<Tensor, Tensor> partial_write(const Tensor& x, const OptTensor& w, do
 }
 
 // Reads x's storage as if it were contiguous.
-std::tuple<Tensor, Tensor> assumes_contiguous(const Tensor& x, const OptTensor& w, double eps, GradRequest) {
+std::tuple<Tensor, Tensor> assumes_contiguous(const Tensor& x, const OptTensor& w, double eps,
+                                              GradRequest) {
   Tensor flat = at::from_blob(const_cast<void*>(x.const_data_ptr()), x.sizes(), x.options());
   return correct(flat.clone(), w, eps);
 }
 
-std::tuple<Tensor, Tensor> nan_to_zero(const Tensor& x, const OptTensor& w, double eps, GradRequest) {
+std::tuple<Tensor, Tensor> nan_to_zero(const Tensor& x, const OptTensor& w, double eps,
+                                       GradRequest) {
   auto [y, rstd] = correct(x, w, eps);
   return {at::nan_to_num(y, 0.0, 0.0, 0.0), rstd};
 }
 
 // Returns the output buffer of its previous call when the shape matches.
-std::tuple<Tensor, Tensor> stale_buffer(const Tensor& x, const OptTensor& w, double eps, GradRequest) {
+std::tuple<Tensor, Tensor> stale_buffer(const Tensor& x, const OptTensor& w, double eps,
+                                        GradRequest) {
   static Tensor last_y, last_r;
   if (last_y.defined() && last_y.sizes() == x.sizes() && last_y.device() == x.device()) {
     return {last_y, last_r};
@@ -77,7 +83,9 @@ std::tuple<Tensor, Tensor> stale_buffer(const Tensor& x, const OptTensor& w, dou
   return {last_y, last_r};
 }
 
-std::tuple<Tensor, Tensor> aborts(const Tensor&, const OptTensor&, double, GradRequest) { std::abort(); }
+std::tuple<Tensor, Tensor> aborts(const Tensor&, const OptTensor&, double, GradRequest) {
+  std::abort();
+}
 
 std::tuple<Tensor, Tensor> hangs(const Tensor&, const OptTensor&, double, GradRequest) {
   for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));

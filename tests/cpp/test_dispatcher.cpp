@@ -45,11 +45,15 @@ struct Env {
     c.dtypes = {at::kFloat, at::kBFloat16};
     op = d.add_op(c);
     d.add_backend(op, fake("reference", BackendKind::kReference, nullptr));
-    any_index = d.add_backend(op, fake("any", BackendKind::kKernelgate,
-                                       [](const CallView&) { return Support::yes(); }));
+    any_index = d.add_backend(
+        op, fake("any", BackendKind::kKernelgate, [](const CallView&) { return Support::yes(); }));
     even_index = d.add_backend(op, fake("even_only", BackendKind::kKernelgate, even_only));
-    BackendDesc missing{"missing", BackendKind::kPython,
-                        [] { return Support::no("package not installed"); }, nullptr, nullptr, ""};
+    BackendDesc missing{"missing",
+                        BackendKind::kPython,
+                        [] { return Support::no("package not installed"); },
+                        nullptr,
+                        nullptr,
+                        ""};
     missing_index = d.add_backend(op, std::move(missing));
   }
 };
@@ -190,8 +194,8 @@ TEST_F(DispatcherTest, RuleFieldsRestrictWhereItApplies) {
   r.grad = 0;
   env().d.add_policy_rule(r);
   EXPECT_EQ(select(at::randn({4, 64}, at::kBFloat16)), env().any_index);
-  EXPECT_EQ(select(at::randn({4, 65}, at::kBFloat16)), 0);  // bucket 7
-  EXPECT_EQ(select(at::randn({4, 64})), 0);                  // float32
+  EXPECT_EQ(select(at::randn({4, 65}, at::kBFloat16)), 0);                      // bucket 7
+  EXPECT_EQ(select(at::randn({4, 64})), 0);                                     // float32
   EXPECT_EQ(select(at::randn({4, 64}, at::kBFloat16), std::nullopt, true), 0);  // grad
 }
 
@@ -219,7 +223,7 @@ TEST_F(DispatcherTest, ReasonLoggedExactlyOnceAfterManyCalls) {
   rank({"even_only"});
   for (int i = 0; i < 1000; ++i) {
     select(at::randn({1 + i % 7, 2 * (i % 5) + 1}));  // odd hidden, many keys
-    select(at::randn({2, 8}, at::kBFloat16));          // served by even_only: nothing to log
+    select(at::randn({2, 8}, at::kBFloat16));         // served by even_only: nothing to log
   }
   EXPECT_EQ(count_logs("even_only cannot implement this call (hidden is odd)"), 1u);
   env().d.clear_policy();
@@ -241,8 +245,8 @@ TEST_F(DispatcherTest, EnvForceAndExclude) {
 
 TEST_F(DispatcherTest, MalformedEnvWarnsOnceAndUsesDefault) {
   rank({"any"});
-  const char* bad[] = {"kgtest_scale=",  "=any",          ",",   "kgtest_scale=nope",
-                       "no_op=any",      "nope",          "any,", "kgtest_scale=any,,x"};
+  const char* bad[] = {"kgtest_scale=", "=any", ",",    "kgtest_scale=nope",
+                       "no_op=any",     "nope", "any,", "kgtest_scale=any,,x"};
   for (const char* value : bad) {
     env().d.reset_log_once();
     {
@@ -275,8 +279,8 @@ TEST_F(DispatcherTest, SixteenThreadsConcurrently) {
         at::Tensor x = at::empty({1 + (i % 9), hidden});
         int b = select(x);
         // The policy's pick or, while the other thread forces it, "any"; never the reference.
-        bool ok = b == (hidden % 2 == 0 ? env().even_index : env().any_index) ||
-                  b == env().any_index;
+        bool ok =
+            b == (hidden % 2 == 0 ? env().even_index : env().any_index) || b == env().any_index;
         if (!ok) ++wrong;
       }
     });

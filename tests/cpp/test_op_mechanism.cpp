@@ -33,8 +33,8 @@ Pair counted_fwd(const Tensor& x, const OptTensor& w, double alpha, GradRequest 
   return {reference(x, w, alpha).contiguous(), need.any() ? scale_of(x, w, alpha) : Tensor()};
 }
 
-Pair counted_bwd(const Tensor& dy, const Tensor& x, const OptTensor& w, const Tensor& s, double alpha,
-                 GradRequest need) {
+Pair counted_bwd(const Tensor& dy, const Tensor& x, const OptTensor& w, const Tensor& s,
+                 double alpha, GradRequest need) {
   ++g_bwd_calls;
   Tensor dx = need(0) ? (dy * s).contiguous() : Tensor();
   Tensor dw = need(1) && w ? (dy * x * alpha).reshape({-1, x.size(-1)}).sum(0) : Tensor();
@@ -113,10 +113,13 @@ class OpMechanismTest : public ::testing::Test {
 
 TEST_F(OpMechanismTest, InternalOpsAreDefinedFromTheContract) {
   const OpContract& c = Dispatcher::get().op(mul_op().id).contract;
-  EXPECT_EQ(c.forward_schema, "_kgtest_mul_fwd(Tensor x, Tensor? weight, float alpha, int needs) -> (Tensor, Tensor)");
-  EXPECT_EQ(c.backward_schema,
-            "_kgtest_mul_bwd(Tensor grad_0, Tensor x, Tensor? weight, Tensor s, float alpha, int needs) "
-            "-> (Tensor, Tensor)");
+  EXPECT_EQ(
+      c.forward_schema,
+      "_kgtest_mul_fwd(Tensor x, Tensor? weight, float alpha, int needs) -> (Tensor, Tensor)");
+  EXPECT_EQ(
+      c.backward_schema,
+      "_kgtest_mul_bwd(Tensor grad_0, Tensor x, Tensor? weight, Tensor s, float alpha, int needs) "
+      "-> (Tensor, Tensor)");
   for (const char* name : {"kernelgate::_kgtest_mul_reference", "kernelgate::_kgtest_mul_fwd",
                            "kernelgate::_kgtest_mul_bwd"}) {
     EXPECT_TRUE(c10::Dispatcher::singleton().findSchema({name, ""}).has_value()) << name;
@@ -180,9 +183,11 @@ TEST_F(OpMechanismTest, ForwardOnlyBackendServesOnlyCallsWithoutGradients) {
   call.num_tensors = 2;
   call.tensors[0] = &xg;
   call.grad = true;
-  Explanation ex = Dispatcher::get().explain(mul_op().id, call, check_call(Dispatcher::get().op(mul_op().id).contract, call));
+  Explanation ex = Dispatcher::get().explain(
+      mul_op().id, call, check_call(Dispatcher::get().op(mul_op().id).contract, call));
   for (const auto& c : ex.candidates) {
-    if (c.backend == "forward_only") EXPECT_NE(c.reason.find("forward only"), std::string::npos) << c.reason;
+    if (c.backend == "forward_only")
+      EXPECT_NE(c.reason.find("forward only"), std::string::npos) << c.reason;
   }
 }
 
@@ -199,7 +204,8 @@ TEST_F(OpMechanismTest, DoubleBackwardDifferentiatesTheReference) {
   force("counted");
   Tensor x = at::randn({3, 4}).requires_grad_(true), w = at::randn({4}).requires_grad_(true);
   Tensor y = mul_op().op.call(x, w, 2.0);
-  auto g = torch::autograd::grad({(y * y).sum()}, {x}, {}, /*retain_graph=*/true, /*create_graph=*/true);
+  auto g =
+      torch::autograd::grad({(y * y).sum()}, {x}, {}, /*retain_graph=*/true, /*create_graph=*/true);
   auto gg = torch::autograd::grad({g[0].sum()}, {w});
   // d/dw sum(2 * (2 x w) * 2 w) = sum over rows of 16 x w
   EXPECT_TRUE(at::allclose(gg[0], (16.0 * x * w).sum(0), 1e-4, 1e-5));
@@ -232,15 +238,17 @@ TEST(OpDeclarationErrors, NameTheOpAndWhatDoesNotFit) {
     kept.push_back(std::make_unique<OpDeclaration>(contract(name)));
     return kept.back()->reference(reference).meta(meta);
   };
-  EXPECT_NE(install_error(base_ref("kgtest_e1").backend("reference", BackendKind::kReference,
-                                                    wrong_kinds, ref_bwd))
-                .find("kgtest_e1: backend 'reference' forward takes (Tensor, float), its schema says "
-                      "(Tensor, Tensor?, float)"),
-            std::string::npos);
-  EXPECT_NE(install_error(base_ref("kgtest_e2").backend("reference", BackendKind::kReference,
-                                                    one_result, ref_bwd))
-                .find("returns 1 tensors, expected 2"),
-            std::string::npos);
+  EXPECT_NE(
+      install_error(
+          base_ref("kgtest_e1").backend("reference", BackendKind::kReference, wrong_kinds, ref_bwd))
+          .find("kgtest_e1: backend 'reference' forward takes (Tensor, float), its schema says "
+                "(Tensor, Tensor?, float)"),
+      std::string::npos);
+  EXPECT_NE(
+      install_error(
+          base_ref("kgtest_e2").backend("reference", BackendKind::kReference, one_result, ref_bwd))
+          .find("returns 1 tensors, expected 2"),
+      std::string::npos);
   OpContract c = contract("kgtest_e3");
   c.dims = "weight?: [hidden]; x: [*rows, hidden]";
   EXPECT_NE(install_error(OpDeclaration(c).reference(reference).meta(meta))
@@ -249,7 +257,7 @@ TEST(OpDeclarationErrors, NameTheOpAndWhatDoesNotFit) {
   c = contract("kgtest_e4");
   c.saved = {"x", "nope"};
   EXPECT_NE(install_error(OpDeclaration(c).reference(reference).meta(meta).backend(
-                "reference", BackendKind::kReference, ref_fwd, ref_bwd))
+                              "reference", BackendKind::kReference, ref_fwd, ref_bwd))
                 .find("saved names 'nope'"),
             std::string::npos);
   c = contract("kgtest_e5");
@@ -257,7 +265,8 @@ TEST(OpDeclarationErrors, NameTheOpAndWhatDoesNotFit) {
   EXPECT_NE(install_error(OpDeclaration(c).reference(reference).meta(meta))
                 .find("the backward's dispatch key needs tensor argument 'x'"),
             std::string::npos);
-  EXPECT_NE(install_error(base_ref("kgtest_e6").backend("fast", BackendKind::kKernelgate, ref_fwd, ref_bwd))
+  EXPECT_NE(install_error(
+                base_ref("kgtest_e6").backend("fast", BackendKind::kKernelgate, ref_fwd, ref_bwd))
                 .find("its first backend must be the reference"),
             std::string::npos);
 }
@@ -297,9 +306,10 @@ TEST(OpMechanismDoubleBackward, RefusesClearlyWhenInputsAreNotKept) {
     torch::autograd::grad({y2.sum()}, {x}, {}, true, /*create_graph=*/true);
     FAIL() << "double backward did not refuse";
   } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("kgtest_scale_only: double backward (create_graph=True) is not "
-                                         "supported: its backward does not keep x"),
-              std::string::npos)
+    EXPECT_NE(
+        std::string(e.what()).find("kgtest_scale_only: double backward (create_graph=True) is not "
+                                   "supported: its backward does not keep x"),
+        std::string::npos)
         << e.what();
   }
 }

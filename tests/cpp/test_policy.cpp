@@ -31,9 +31,10 @@ const RegionPolicy& only(const std::vector<RegionPolicy>& p) {
 }
 
 TEST(Policy, RanksByTimeFastestFirst) {
-  auto p = derive_policy({row("reference", "a/seed=0", 30), row("reference", "b/seed=0", 60),
-                          row("aten", "a/seed=0", 20), row("aten", "b/seed=0", 40),
-                          row("kernelgate_cpu", "a/seed=0", 10), row("kernelgate_cpu", "b/seed=0", 20)});
+  auto p =
+      derive_policy({row("reference", "a/seed=0", 30), row("reference", "b/seed=0", 60),
+                     row("aten", "a/seed=0", 20), row("aten", "b/seed=0", 40),
+                     row("kernelgate_cpu", "a/seed=0", 10), row("kernelgate_cpu", "b/seed=0", 20)});
   const auto& r = only(p);
   EXPECT_EQ(r.ranked, (std::vector<std::string>{"kernelgate_cpu", "aten", "reference"}));
   EXPECT_NEAR(r.margin, 1.0, 1e-9);  // aten takes twice as long
@@ -73,7 +74,8 @@ TEST(Policy, AnyFailureInTheRegionFailsClosed) {
 }
 
 TEST(Policy, UntimedPassesProveCorrectnessNotSpeed) {
-  auto p = derive_policy({row("validated_only", "a/untimed/seed=0", 0), row("reference", "a/seed=0", 10)});
+  auto p = derive_policy(
+      {row("validated_only", "a/untimed/seed=0", 0), row("reference", "a/seed=0", 10)});
   EXPECT_EQ(only(p).ranked, std::vector<std::string>{"reference"});
 }
 
@@ -88,8 +90,8 @@ TEST(Policy, RegionsAreIndependent) {
 }
 
 TEST(Policy, UnsupportedRowsAreNotFailures) {
-  auto p = derive_policy({row("gpu_only", "a/seed=0", 0, Disposition::kUnsupported),
-                          row("reference", "a/seed=0", 5)});
+  auto p = derive_policy(
+      {row("gpu_only", "a/seed=0", 0, Disposition::kUnsupported), row("reference", "a/seed=0", 5)});
   EXPECT_EQ(only(p).ranked, std::vector<std::string>{"reference"});
   for (const auto& s : only(p).standings) EXPECT_NE(s.backend, "gpu_only");
 }
