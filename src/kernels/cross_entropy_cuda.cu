@@ -23,6 +23,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <climits>
 #include <cmath>
 #include <cstdint>
@@ -80,19 +81,26 @@ struct Stats {
   float sx;  // sum of x
 };
 
+// What exponents are taken against for a running max m: m itself, except that once a +inf has
+// been seen (m = +inf) finite values count exp(x - FLT_MAX) = 0 and each +inf exp(+inf) = +inf,
+// so s = +inf and lse = +inf (the loss of a +inf logit away from the target), where x - m would
+// make everything NaN.
+__device__ __forceinline__ float exp_base(float m) { return m == INFINITY ? FLT_MAX : m; }
+
 __device__ __forceinline__ Stats combine(const Stats& a, const Stats& b) {
-  const float m = fmaxf(a.m, b.m);
+  const float m = fmaxf(a.m, b.m), base = exp_base(m);
   // Both maxima -inf: every value seen is -inf; the sums are 0 (or NaN, kept).
-  const float s = m == -INFINITY ? a.s + b.s : a.s * __expf(a.m - m) + b.s * __expf(b.m - m);
+  const float s =
+      m == -INFINITY ? a.s + b.s : a.s * __expf(a.m - base) + b.s * __expf(b.m - base);
   return {m, s, a.sx + b.sx};
 }
 
 // Adds one value (head and tail elements).
 __device__ __forceinline__ void add_value(Stats& st, float v) {
   st.sx += v;
-  const float nm = fmaxf(st.m, v);
+  const float nm = fmaxf(st.m, v), base = exp_base(nm);
   if (nm == -INFINITY) return;  // nothing but -inf so far: s stays as it is
-  st.s = st.s * __expf(st.m - nm) + __expf(v - nm);
+  st.s = st.s * __expf(st.m - base) + __expf(v - base);
   st.m = nm;
 }
 
@@ -114,16 +122,16 @@ __device__ __forceinline__ void add_accesses(Stats& st, const Raw<T, W> (&raw)[k
       st.sx += f[i];
     }
   }
-  const float nm = fmaxf(st.m, cm);
+  const float nm = fmaxf(st.m, cm), base = exp_base(nm);
   if (nm == -INFINITY) return;
-  float s = st.s * __expf(st.m - nm);
+  float s = st.s * __expf(st.m - base);
 #pragma unroll
   for (int k = 0; k < kUnroll; ++k) {
     if (!in[k]) continue;
     float f[W];
     to_floats<T, W>(raw[k], f);
 #pragma unroll
-    for (int i = 0; i < W; ++i) s += __expf(f[i] - nm);
+    for (int i = 0; i < W; ++i) s += __expf(f[i] - base);
   }
   st.s = s;
   st.m = nm;
