@@ -72,7 +72,9 @@ def assert_cuda_graph_replays(step: Callable[[], Sequence[torch.Tensor]], refill
             step()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # Captured on the warm-up stream: autograd nodes made during warm-up (a leaf's AccumulateGrad)
+    # keep the stream they were made on, and one on another stream would sync with it mid-capture.
+    with torch.cuda.graph(graph, stream=side):
         out = step()
     for _ in range(rounds):
         with torch.no_grad():

@@ -81,7 +81,7 @@ struct Stats {
   float sx;  // sum of x
 };
 
-// What exponents are taken against for a running max m: m itself, except that once a +inf has
+// s carries NaN: any NaN logit makes it NaN. What exponents are taken against for a running max m: m itself, except that once a +inf has
 // been seen (m = +inf) finite values count exp(x - FLT_MAX) = 0 and each +inf exp(+inf) = +inf,
 // so s = +inf and lse = +inf (the loss of a +inf logit away from the target), where x - m would
 // make everything NaN.
@@ -99,7 +99,10 @@ __device__ __forceinline__ Stats combine(const Stats& a, const Stats& b) {
 __device__ __forceinline__ void add_value(Stats& st, float v) {
   st.sx += v;
   const float nm = fmaxf(st.m, v), base = exp_base(nm);
-  if (nm == -INFINITY) return;  // nothing but -inf so far: s stays as it is
+  if (nm == -INFINITY) {  // nothing but -inf (or NaN) so far: s stays as it is, or turns NaN
+    if (isnan(v)) st.s = NAN;
+    return;
+  }
   st.s = st.s * __expf(st.m - base) + __expf(v - base);
   st.m = nm;
 }
@@ -123,7 +126,10 @@ __device__ __forceinline__ void add_accesses(Stats& st, const Raw<T, W> (&raw)[k
     }
   }
   const float nm = fmaxf(st.m, cm), base = exp_base(nm);
-  if (nm == -INFINITY) return;
+  if (nm == -INFINITY) {  // no +inf here, so a NaN sum of x means a NaN was seen
+    if (isnan(st.sx)) st.s = NAN;
+    return;
+  }
   float s = st.s * __expf(st.m - base);
 #pragma unroll
   for (int k = 0; k < kUnroll; ++k) {
@@ -222,8 +228,9 @@ __global__ void __launch_bounds__(kMaxThreads, kStats&& kGrad ? 1 : 2) ce_rows(c
         // Read before block_stats' barriers: in place, the gradient pass overwrites x[t].
         const float xt = tid == 0 ? to_float(x[t]) : 0.f;
         st = block_stats(st, red);
-        // s >= 1 once the max is finite; an all -inf row gives -inf + log(0) = -inf.
-        lse = isnan(st.sx) ? NAN : st.m + __logf(st.s);
+        // s >= 1 once the max is finite; an all -inf row gives -inf + log(0) = -inf, a row with
+        // a +inf gives +inf. A NaN logit makes s NaN (the sum of x cannot tell: +inf + -inf).
+        lse = st.m + __logf(st.s);
         loss = lse - keep * xt;  // used by thread 0 only
         if (eps > 0.f) loss -= eps_c * st.sx;
       }
