@@ -591,10 +591,22 @@ def check_cuda_graph(op, backend, device, replays=assert_cuda_graph_replays):
             replays(step, refill)
 
 
+# Pairs whose forward+backward cannot be captured yet, and why. Strict: one that captures fails
+# the test, so the entry goes when it is fixed.
+KNOWN_CAPTURE_FAILURES = {
+    ("rms_norm", "aten"): "its backward (ATen's autograd inside the routed backward) touches the legacy "
+    "stream during capture (cudaErrorStreamCaptureImplicit); seen on the H200 since the generic autograd",
+    ("add_rms_norm", "reference"): "as rms_norm's aten backend: the reference's ATen autograd touches the "
+    "legacy stream during capture",
+}
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("op,backend", GPU_PAIRS)
-def test_gpu_cuda_graph_capture_and_replay(op, backend):
+def test_gpu_cuda_graph_capture_and_replay(op, backend, request):
     require_available(op, backend)
+    if (op, backend) in KNOWN_CAPTURE_FAILURES:
+        request.applymarker(pytest.mark.xfail(reason=KNOWN_CAPTURE_FAILURES[op, backend], strict=True))
     check_cuda_graph(op, backend, "cuda")
 
 
