@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds .carry/prefix: what the GPU machine lacks for a full build (GoogleTest, Google Benchmark,
-# the SQLite header), from this machine's Debian packages. Carry it with the device tool
+# the SQLite and nlohmann-json headers), from this machine's Debian packages. Carry it with the device tool
 # (carry: [".carry"]); scripts/gpu_check.sh uses it. The GPU machine's own libsqlite3.so.0 serves
 # at run time.
 set -euo pipefail
@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 P=.carry/prefix
 mkdir -p "$P/include" "$P/lib/cmake/benchmark"
 cp -r /usr/include/gtest /usr/include/gmock /usr/include/benchmark /usr/include/sqlite3.h \
-  /usr/include/sqlite3ext.h "$P/include/"
+  /usr/include/sqlite3ext.h /usr/include/nlohmann "$P/include/"
 cp /usr/lib/x86_64-linux-gnu/libgtest.a /usr/lib/x86_64-linux-gnu/libgtest_main.a "$P/lib/"
 cp -L /usr/lib/x86_64-linux-gnu/libbenchmark.so.1debian "$P/lib/"
 cp -L /usr/lib/x86_64-linux-gnu/libsqlite3.so "$P/lib/libsqlite3.so"

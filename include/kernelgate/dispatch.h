@@ -1,7 +1,9 @@
 // The dispatcher facade: op contracts, backends, dispatch keys, policy and the router's decision.
-// Code outside src/core includes only this header (and kernelgate.h for the op API).
+// Code outside src/core includes only this header (and kernelgate.h for the op API; op.h to
+// declare an op).
 #pragma once
 #include <ATen/core/Tensor.h>
+#include <ATen/core/stack.h>
 
 #include <array>
 #include <cstdint>
@@ -9,6 +11,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -16,19 +19,27 @@ namespace kernelgate {
 
 constexpr int kMaxTensorArgs = 8;
 constexpr int kMaxNamedDims = 8;
-constexpr int kMaxBackends = 16;
+constexpr int kMaxBackends = 32;
 
 using OpId = uint16_t;
 constexpr OpId kNoOp = 0xFFFF;  // log messages that concern no single op
 
-// Answer of a capability query. `reason` is a string literal (no allocation on the hot path);
-// it says why not when ok is false.
+// Answer of a capability query. `reason` is a string with static storage (a literal, or
+// intern()ed): no allocation on the hot path. It says why not when ok is false.
 struct Support {
   bool ok = true;
   const char* reason = "";
   static Support yes() { return {true, ""}; }
   static Support no(const char* why) { return {false, why}; }
 };
+
+// A copy of `text` that lives as long as the process (for Support reasons made at run time).
+// Never on the hot path: each distinct text is stored once.
+const char* intern(const std::string& text);
+
+// `text` with each byte that is not part of valid UTF-8 written as \xNN: for messages that
+// quote environment values or file names on their way to Python.
+std::string valid_utf8(const std::string& text);
 
 enum class BackendKind : uint8_t { kReference, kKernelgate, kVendor, kPython };
 const char* backend_kind_name(BackendKind kind);
@@ -43,6 +54,25 @@ struct CallView {
   // defaults, another value per alternative. Part of the key, so evidence for one never serves
   // another.
   uint16_t variant = 0;
+  // Set when the tensors stand for a call elsewhere (explain on meta tensors of a CUDA call).
+  std::optional<c10::Device> on;
+
+  // The device the call runs on: `on`, else the first present tensor's.
+  c10::Device device() const {
+    if (on) return *on;
+    for (int i = 0; i < num_tensors; ++i) {
+      if (tensors[i] != nullptr && tensors[i]->defined()) return tensors[i]->device();
+    }
+    return c10::Device(c10::kCPU);
+  }
+};
+
+// Which tensor arguments (by position in the contract) a call needs gradients for. Empty: the
+// call needs none (inference), and a forward need not compute what only a backward reads.
+struct GradRequest {
+  uint32_t mask = 0;
+  bool any() const { return mask != 0; }
+  bool operator()(int tensor_arg) const { return (mask >> tensor_arg) & 1u; }
 };
 
 // ---- Op contract ---------------------------------------------------------------------------
@@ -60,6 +90,8 @@ struct TensorArgSpec {
   bool optional = false;
   DTypeClass dtype_class = DTypeClass::kFloat;
   std::vector<DimSpec> dims;
+  int schema_index = -1;       // position among the schema's arguments (set by the op mechanism)
+  bool differentiable = true;  // float tensors get gradients unless listed in OpContract::no_grad
 };
 
 // Declared once per op. `dims` names the dims of every tensor argument, in schema order:
@@ -87,14 +119,39 @@ struct OpContract {
   // values in [0, classes)). When the op has an int argument `ignore_index`, every 8th entry
   // takes its value, so the ignored path is always exercised.
   std::map<std::string, std::string> index_ranges;
-  // The stems of the files that build this op's backends, comma-separated (src/ops/<stem>.cpp,
+  // The stems of the files that compute this op, comma-separated (src/ops/<stem>.cpp,
   // src/ops/<stem>_*, src/kernels/<stem>.*, src/kernels/<stem>_*): their hash, with the shared
-  // kernel and harness files, is the op's source hash in stored evidence. Empty: the op's name.
+  // computing files, is the op's source hash in stored evidence (docs/evidence.md). Empty: the
+  // op's name. An op defined from Python gives `source_hash` instead.
   std::string source_stem;
+  std::string source_hash;
 
-  // Filled by parse_dims() (Registry::add_op calls it).
+  // ---- The autograd protocol every backend of the op implements (docs/adding_an_op.md).
+  // Names of the outputs (default out0, out1, ...) and of the extra tensors a training forward
+  // returns after them for the backward (rms_norm: "rstd").
+  std::vector<std::string> outputs, extras;
+  // What the backward receives besides the output gradients, by name: tensor arguments,
+  // outputs, extras. Default: every tensor argument.
+  std::vector<std::string> saved;
+  // Float tensor arguments that get no gradient (rope's cos and sin). Index tensors never do.
+  std::vector<std::string> no_grad;
+  // The backward's dispatch key is the forward's: a tensor argument the backward does not
+  // receive is represented by the tensor named here, which has its shape and dtype (rope:
+  // {"q", "grad_0"}: the gradient of q_out).
+  std::map<std::string, std::string> backward_stand_ins;
+  // Tensor arguments whose gradient is another's (add_rms_norm: {"residual", "x"}): the backward
+  // returns it once, and autograd hands the same gradient to both.
+  std::map<std::string, std::string> shared_grads;
+  // Per output, the tensor arguments it depends on (default: every one). An output none of whose
+  // arguments needs a gradient gets none, as through the reference.
+  std::map<std::string, std::vector<std::string>> output_inputs;
+  // The backward receives an undefined gradient for an output nobody used, instead of zeros.
+  bool optional_grads = false;
+
+  // Filled when the op is added (parse_dims, the op mechanism).
   std::vector<TensorArgSpec> tensor_args;
   std::vector<std::string> named_dims;
+  std::string forward_schema, backward_schema;  // the internal _<op>_fwd and _<op>_bwd ops
 };
 
 // Python's name of a dtype: "bfloat16", "float32", "int64".
@@ -112,6 +169,9 @@ struct BoundDims {
   std::array<int64_t, kMaxNamedDims> size{};
 };
 
+// "'a', 'b' or 'c'": the allowed values of an argument, for error messages.
+std::string one_of(const std::vector<std::string>& values);
+
 // Checks a call against the contract (presence, device, dtype, rank, named-dim agreement) and
 // returns the bound sizes. Throws c10::Error with a message naming the argument, what was expected
 // and what came.
@@ -119,13 +179,35 @@ BoundDims check_call(const OpContract& contract, const CallView& call);
 
 // ---- Backends --------------------------------------------------------------------------------
 
+// What a backend computes, in the boxed calling convention of PyTorch's dispatcher.
+//   forward:  the stack ends with the op's arguments (schema order); it pops them and pushes the
+//             outputs, then the extras (undefined tensors allowed when `need` is empty).
+//   backward: the stack ends with _<op>_bwd's arguments (output gradients, saved tensors, the
+//             op's non-tensor arguments) without the trailing mask; it pops them and pushes one
+//             gradient per differentiable tensor argument (undefined where `need` has no bit).
+// Typed C++ functions become one through kernelgate/op.h; Python callables through the bindings.
+class BackendImpl {
+ public:
+  virtual ~BackendImpl() = default;
+  virtual void forward(torch::jit::Stack& stack, GradRequest need) const = 0;
+  virtual void backward(torch::jit::Stack& stack, GradRequest need) const = 0;
+  // A forward-only backend serves only calls that need no gradient (the router asks).
+  virtual bool has_backward() const = 0;
+};
+
 struct BackendDesc {
   std::string name;  // unique within the op: "reference", "aten", "kernelgate_cuda", ...
   BackendKind kind = BackendKind::kReference;
   // Evaluated once, at registration: is this backend in the build / importable at all.
   std::function<Support()> available;
-  // Exact and cheap; never throws. Called on the hot path for the ranked candidates.
+  // Exact and cheap; never throws. Called on the hot path for the ranked candidates. Null:
+  // implements every valid call.
   std::function<Support(const CallView&)> can_implement;
+  // The code. Null exactly when the backend is not available (a descriptor with a reason).
+  std::shared_ptr<const BackendImpl> impl;
+  // What identifies the backend's code beyond kernelgate's own sources (a Python package's
+  // version, the hash of a Python function's source): part of its evidence's fingerprint.
+  std::string version;
 };
 
 // ---- Dispatch key ----------------------------------------------------------------------------
@@ -166,11 +248,11 @@ std::string describe_key(const DispatchKey& key);
 // A rule of the in-memory policy: fields left at their wildcard match every key.
 struct PolicyRule {
   std::string op;
-  int arch = -2;                 // -2: any; kCpuArch: CPU
-  int dtype = -1;                // ScalarType of the first tensor, -1: any
-  std::vector<int> max_buckets;  // per named dim, key bucket must be <= this (empty: any)
-  int align = -1;                // AlignClass, -1: any
-  int grad = -1;                 // 0/1, -1: any
+  int arch = -2;                    // -2: any; kCpuArch: CPU
+  int dtype = -1;                   // ScalarType of the first tensor, -1: any
+  std::vector<int> max_buckets;     // per named dim, key bucket must be <= this (empty: any)
+  int align = -1;                   // AlignClass, -1: any
+  int grad = -1;                    // 0/1, -1: any
   std::vector<std::string> ranked;  // fastest first
   std::string evidence;             // where the ranking came from
 };
@@ -184,6 +266,9 @@ class PolicySource {
   virtual std::vector<std::string> ranked(const std::string& op, const DispatchKey& key,
                                           std::string* evidence) const = 0;
   virtual std::string describe() const = 0;
+  // Why some of its evidence cannot be used (an unreadable store, say), for people: logged as
+  // warnings once, at the first decision, and shown by explain.
+  virtual std::vector<std::string> problems() const { return {}; }
 };
 
 class InMemoryPolicy final : public PolicySource {
@@ -218,27 +303,30 @@ struct Explanation {
   std::string backend;  // the one that serves the call
   std::string reason;   // why
   std::vector<CandidateReport> candidates;
+  std::vector<std::string> evidence_problems;  // the evidence source's problems(), if any
 };
 
 // An op as the router sees it: its contract and backends, local index 0 being the reference.
+// `availability` is evaluated once per backend, when it is added.
 struct OpEntry {
   OpId id = 0;
   OpContract contract;
-  std::vector<BackendDesc> backends;
-  std::vector<Support> availability;  // per backend, evaluated at registration
+  std::vector<BackendDesc> backends;  // never reallocates (reserved): read without a lock
+  std::vector<Support> availability;
 };
 
 class Dispatcher {
  public:
-  // The process-wide dispatcher; registers every built-in op on first use.
+  // The process-wide dispatcher. Ops register themselves (kernelgate/op.h); the dispatcher
+  // knows none of them.
   static Dispatcher& get();
 
-  // Registration (explicit, done by each op's register function).
-  OpId add_op(OpContract contract, BackendDesc reference);
+  // Registration. The first backend of an op is its reference (kind kReference).
+  OpId add_op(OpContract contract);
   int add_backend(OpId op, BackendDesc backend);  // returns the local index
   const OpEntry& op(OpId id) const;
   const OpEntry* find_op(const std::string& name) const;
-  std::vector<std::string> op_names() const;
+  std::vector<std::string> op_names() const;  // sorted
 
   // Hot path: the local index of the backend that serves this call (0 = reference). `dims` comes
   // from check_call on the same call.
@@ -286,11 +374,8 @@ class Dispatcher {
   std::unique_ptr<Impl> impl_;
 };
 
-// Registers every built-in op with the dispatcher (defined in src/ops/all_ops.cpp).
-void register_builtin_ops(Dispatcher& d);
-
 // Device facts the key needs; provided by the CUDA part of the build when present.
-int cuda_arch(int device_index);        // major*10+minor, or 0 if unknown
+int cuda_arch(int device_index);  // major*10+minor, or 0 if unknown
 void set_cuda_arch_provider(int (*provider)(int device_index));
 
 }  // namespace kernelgate

@@ -1,6 +1,7 @@
 // kernelgate's C++ API: each op routed to the fastest backend proven correct for the call.
 // Calls go through PyTorch's dispatcher, so autograd, torch.compile and CUDA graphs work as they
-// do from Python (torch.ops.kernelgate.<op>).
+// do from Python (torch.ops.kernelgate.<op>). Every op, including those without a function here,
+// is also reachable as kernelgate::typed_op<Signature>("<op>") (kernelgate/op.h).
 #pragma once
 #include <ATen/core/Tensor.h>
 
@@ -8,10 +9,6 @@
 #include <tuple>
 
 #include "kernelgate/dispatch.h"
-
-namespace torch {
-class Library;
-}
 
 namespace kernelgate {
 
@@ -23,13 +20,14 @@ at::Tensor rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& weight
 // silu(gate) * up and gelu(gate, approximate) * up (approximate: "tanh" or "none"), float32
 // math, in gate's dtype; gate and up of one shape.
 at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up);
-at::Tensor geglu(const at::Tensor& gate, const at::Tensor& up, c10::string_view approximate = "tanh");
+at::Tensor geglu(const at::Tensor& gate, const at::Tensor& up,
+                 c10::string_view approximate = "tanh");
 
 // h = x + residual (rounded to x's dtype), y = rms_norm(h) * weight (float32 statistics);
 // returns (y, h). x and residual of one shape.
-std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
-                                                const std::optional<at::Tensor>& weight = std::nullopt,
-                                                double eps = 1e-6);
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(
+    const at::Tensor& x, const at::Tensor& residual,
+    const std::optional<at::Tensor>& weight = std::nullopt, double eps = 1e-6);
 
 // Layer norm over the last dim, float32 statistics: (x - mean) * rstd * weight + bias, as
 // torch.nn.functional.layer_norm(x, (x.size(-1),), weight, bias, eps).
@@ -40,15 +38,15 @@ at::Tensor layer_norm(const at::Tensor& x, const std::optional<at::Tensor>& weig
 // q [batch, q_heads, seq, head_dim] and k [batch, kv_heads, seq, head_dim] (head_dim even),
 // cos / sin [1 or batch, seq, head_dim] shared by all heads. float32 math, outputs in q's dtype.
 // Gradients flow to q and k only: cos and sin are constants.
-std::tuple<at::Tensor, at::Tensor> rope(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
-                                        const at::Tensor& sin);
+std::tuple<at::Tensor, at::Tensor> rope(const at::Tensor& q, const at::Tensor& k,
+                                        const at::Tensor& cos, const at::Tensor& sin);
 // Per-head rms_norm of q and k over head_dim (weights q_weight / k_weight [head_dim], float32
 // statistics), then rope, fused; the normalised heads stay float32 in between. Gradients flow to
 // q, k, q_weight and k_weight.
 std::tuple<at::Tensor, at::Tensor> qk_norm_rope(const at::Tensor& q, const at::Tensor& k,
-                                                const at::Tensor& q_weight, const at::Tensor& k_weight,
-                                                const at::Tensor& cos, const at::Tensor& sin,
-                                                double eps = 1e-6);
+                                                const at::Tensor& q_weight,
+                                                const at::Tensor& k_weight, const at::Tensor& cos,
+                                                const at::Tensor& sin, double eps = 1e-6);
 // Cross-entropy of logits [rows, classes] against target [rows] (int64 or int32), float32 math,
 // like torch.nn.functional.cross_entropy: rows whose target is ignore_index count for nothing;
 // label_smoothing in [0, 1]; reduction "mean" (over the rows not ignored: NaN when all are),
@@ -66,42 +64,5 @@ at::Tensor linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weig
                                 const std::optional<at::Tensor>& bias = std::nullopt,
                                 int64_t ignore_index = -100, double label_smoothing = 0.0,
                                 c10::string_view reduction = "mean");
-
-// A typed rms_norm backend. Forward returns (y, rstd): rstd float32 of x.shape[:-1], and may be
-// undefined when want_rstd is false. Backward returns (dx, dweight): dweight an empty tensor
-// when weight_grad is false or there is no weight.
-using RmsNormFwd = std::tuple<at::Tensor, at::Tensor> (*)(const at::Tensor& x,
-                                                         const std::optional<at::Tensor>& weight,
-                                                         double eps, bool want_rstd);
-using RmsNormBwd = std::tuple<at::Tensor, at::Tensor> (*)(const at::Tensor& grad,
-                                                         const at::Tensor& x,
-                                                         const std::optional<at::Tensor>& weight,
-                                                         const at::Tensor& rstd, bool weight_grad);
-void add_rms_norm_backend(Dispatcher& d, BackendDesc desc, RmsNormFwd fwd, RmsNormBwd bwd);
-
-// Per-op registration, called from src/ops/all_ops.cpp.
-OpContract rms_norm_contract();
-void define_rms_norm(torch::Library& m);
-void register_rms_norm(Dispatcher& d);
-OpContract swiglu_contract();
-OpContract geglu_contract();
-void define_gated(torch::Library& m);
-void register_gated_ops(Dispatcher& d);
-OpContract add_rms_norm_contract();
-void define_add_rms_norm(torch::Library& m);
-void register_add_rms_norm(Dispatcher& d);
-OpContract layer_norm_contract();
-void define_layer_norm(torch::Library& m);
-void register_layer_norm(Dispatcher& d);
-OpContract rope_contract();
-OpContract qk_norm_rope_contract();
-void define_rope(torch::Library& m);
-void register_rope_ops(Dispatcher& d);
-OpContract cross_entropy_contract();
-void define_cross_entropy(torch::Library& m);
-void register_cross_entropy(Dispatcher& d);
-OpContract linear_cross_entropy_contract();
-void define_linear_cross_entropy(torch::Library& m);
-void register_linear_cross_entropy(Dispatcher& d);
 
 }  // namespace kernelgate

@@ -11,7 +11,9 @@ import torch  # noqa: F401  (loads LibTorch before our library)
 
 from . import _C  # noqa: F401  (registers torch.ops.kernelgate)
 from ._api import Explanation, explain, ops, use
+from ._define import define_op, register_backend
 from ._logging import install_log_hook
+from . import _ops
 from ._ops import geglu, rms_norm, swiglu
 from ._ops import add_rms_norm, layer_norm
 from ._ops import qk_norm_rope, rope
@@ -20,9 +22,19 @@ from . import evidence, policy
 
 __version__ = "0.1.0"
 __all__ = ["rms_norm", "swiglu", "geglu", "explain", "ops", "use", "policy", "evidence", "Explanation", "__version__"]
+__all__ += ["define_op", "register_backend"]
 __all__ += ["add_rms_norm", "layer_norm"]
 __all__ += ["rope", "qk_norm_rope"]
 __all__ += ["cross_entropy", "linear_cross_entropy"]
 
 install_log_hook()
 evidence.install()
+
+
+def __getattr__(name: str):
+    """kg.<op> for every op, those defined later (kg.define_op, plugins) included."""
+    if not name.startswith("_") and name in {o["name"] for o in _C.ops()}:
+        fn = _ops.routed(name)
+        globals()[name] = fn  # found once
+        return fn
+    raise AttributeError(f"module 'kernelgate' has no attribute '{name}'")

@@ -2,7 +2,7 @@
 
 import contextlib
 import dataclasses
-from typing import Dict, Iterable, Iterator, List, Mapping, Union
+from typing import Dict, Iterable, Iterator, List, Mapping, Optional, Union
 
 import torch
 
@@ -19,20 +19,26 @@ class Candidate:
 
 @dataclasses.dataclass
 class Explanation:
-    """Why a call goes where it goes: the serving backend and every candidate's reason."""
+    """Why a call goes where it goes: the serving backend and every candidate's reason. A call the
+    op would refuse is `valid=False`, with no backend and the reason it would raise."""
 
     op: str
     key: str
     backend: str
     reason: str
     candidates: List[Candidate]
+    valid: bool = True
+    evidence_problems: List[str] = dataclasses.field(default_factory=list)  # evidence left out, why
 
     def __str__(self) -> str:
+        if not self.valid:
+            return f"{self.op}: {self.reason}"
         lines = [f"{self.op} -> {self.backend}: {self.reason}", f"  key: {self.key}"]
         width = max(len(c.backend) for c in self.candidates)
         for c in self.candidates:
             mark = "*" if c.selected else " "
             lines.append(f"  {mark} {c.backend:<{width}}  [{c.kind}] {c.reason}")
+        lines += [f"  warning: {p}" for p in self.evidence_problems]
         return "\n".join(lines)
 
 
@@ -49,8 +55,19 @@ def _op_info(op: str) -> dict:
     raise ValueError(f"unknown op '{op}'; kernelgate has: {names}")
 
 
-def explain(op: str, *args, **kwargs) -> Explanation:
-    """The decision the dispatcher makes for `op(*args, **kwargs)`, without running it."""
+def _meta(value):
+    if isinstance(value, torch.Tensor):
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+    return value
+
+
+def explain(op: str, *args, device: Optional[str] = None, **kwargs) -> Explanation:
+    """The decision the dispatcher makes for `op(*args, **kwargs)`, without running it.
+
+    The tensors may be meta tensors standing for a call on `device` ("cuda", "cuda:1", "cpu"):
+    nothing is allocated or computed. A call the op would refuse comes back `valid=False` with
+    the error it would raise.
+    """
     info = _op_info(op)
     schema = getattr(torch.ops.kernelgate, op).default._schema
     names = [a.name for a in schema.arguments]
@@ -68,13 +85,23 @@ def explain(op: str, *args, **kwargs) -> Explanation:
         isinstance(t, torch.Tensor) and t.requires_grad for t in tensors
     )
     strings = {k: v for k, v in bound.items() if isinstance(v, str)}
-    d = _C.explain(op, tensors, grad, strings)
+    # The op's own checks, on meta tensors of the same shapes, strides and dtypes: what it would
+    # refuse is answered as such.
+    try:
+        with torch.no_grad():
+            getattr(torch.ops.kernelgate, op).default(**{k: _meta(v) for k, v in bound.items()})
+    except (RuntimeError, ValueError, TypeError, IndexError) as exc:
+        reason = str(exc).split("\n")[0]
+        return Explanation(op=op, key="", backend="", reason=f"invalid call: {reason}", candidates=[],
+                           valid=False)
+    d = _C.explain(op, tensors, grad, strings, device)
     return Explanation(
         op=d["op"],
         key=d["key"],
         backend=d["backend"],
         reason=d["reason"],
         candidates=[Candidate(**c) for c in d["candidates"]],
+        evidence_problems=d["evidence_problems"],
     )
 
 

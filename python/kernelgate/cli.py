@@ -5,6 +5,7 @@ Every command takes --json. The work is done in C++ (kernelgate._C); this is the
 
 import argparse
 import json
+import math
 import os
 import shlex
 import sys
@@ -13,7 +14,7 @@ from typing import Dict, List, Optional
 import torch
 
 import kernelgate as kg
-from kernelgate import _C
+from kernelgate import _C, plugins
 from kernelgate.testing import check_against_oracle
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -43,24 +44,33 @@ def _parse_shapes(specs: List[str]) -> Dict[str, List[int]]:
     shapes = {}
     for spec in specs:
         if "=" not in spec:
-            raise SystemExit(f"--shape must be NAME=D0xD1x..., got '{spec}'")
+            raise SystemExit(f"kernelgate explain: --shape must be NAME=D0xD1x..., got '{spec}'")
         name, dims = spec.split("=", 1)
         try:
-            shapes[name] = [int(d) for d in dims.split("x")] if dims else []
+            shape = [int(d) for d in dims.split("x")] if dims else []
         except ValueError:
-            raise SystemExit(f"--shape {name}: dims must be integers separated by 'x', got '{dims}'")
+            raise SystemExit(f"kernelgate explain: --shape {name}: dims must be integers separated by 'x', "
+                             f"got '{dims}'")
+        if any(d < 0 or d >= 2**62 for d in shape):
+            raise SystemExit(f"kernelgate explain: --shape {name}: every dim must be in [0, 2^62), got '{dims}'")
+        shapes[name] = shape
     return shapes
 
 
-def _tensors_for(op: dict, shapes: Dict[str, List[int]], dtype, device) -> List[Optional[torch.Tensor]]:
-    """Tensors for each tensor argument: given shapes, or derived from the named dims."""
-    specs = {}
+def _tensors_for(op: dict, shapes: Dict[str, List[int]], dtype) -> List[Optional[torch.Tensor]]:
+    """Meta tensors for each tensor argument (nothing is allocated): given shapes, or derived
+    from the named dims. Index tensors (a dims entry ending in 'index') are int64."""
+    specs, index = {}, set()
     for entry in op["dims"].split(";"):
         name, dims = entry.split(":", 1)
-        specs[name.strip().rstrip("?")] = [d.strip() for d in dims[dims.index("[") + 1 : dims.index("]")].split(",")]
+        name = name.strip().rstrip("?")
+        specs[name] = [d.strip() for d in dims[dims.index("[") + 1 : dims.index("]")].split(",")]
+        if dims.strip().endswith("index"):
+            index.add(name)
     for name in shapes:
         if name not in specs:
-            raise SystemExit(f"{op['name']} has no tensor argument '{name}'; it has {', '.join(specs)}")
+            raise SystemExit(f"kernelgate explain: {op['name']} has no tensor argument '{name}'; "
+                             f"it has {', '.join(specs)}")
     known: Dict[str, int] = {}
     for name, shape in shapes.items():
         fixed = [d for d in specs[name] if not d.startswith("*")]
@@ -77,27 +87,43 @@ def _tensors_for(op: dict, shapes: Dict[str, List[int]], dtype, device) -> List[
             out.append(None)
             continue
         else:
-            raise SystemExit(f"give the shape of '{name}' with --shape {name}=...")
-        out.append(torch.empty(shape, dtype=dtype, device=device).normal_())
+            raise SystemExit(f"kernelgate explain: give the shape of '{name}' with --shape {name}=...")
+        out.append(torch.empty(shape, dtype=torch.int64 if name in index else dtype, device="meta"))
     return out
+
+
+def _check_device(device: str, command: str) -> None:
+    try:
+        d = torch.device(device)
+    except RuntimeError:
+        raise SystemExit(f"kernelgate {command}: --device must be cpu or cuda[:N], got '{device}'")
+    if d.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"kernelgate {command}: --device {device}: no CUDA device is visible here")
+    if d.type == "cuda" and d.index is not None and d.index >= torch.cuda.device_count():
+        raise SystemExit(f"kernelgate {command}: --device {device}: this machine has "
+                         f"{torch.cuda.device_count()} CUDA device(s)")
+    if d.type not in ("cpu", "cuda"):
+        raise SystemExit(f"kernelgate {command}: --device must be cpu or cuda[:N], got '{device}'")
 
 
 def cmd_explain(args) -> int:
     op = next((o for o in kg.ops() if o["name"] == args.op), None)
     if op is None:
-        raise SystemExit(f"unknown op '{args.op}'; kernelgate has: {', '.join(o['name'] for o in kg.ops())}")
-    tensors = _tensors_for(op, _parse_shapes(args.shape), DTYPES[args.dtype], args.device)
+        raise SystemExit(f"kernelgate explain: unknown op '{args.op}'; kernelgate has: "
+                         f"{', '.join(o['name'] for o in kg.ops())}")
+    _check_device(args.device, "explain")
+    tensors = _tensors_for(op, _parse_shapes(args.shape), DTYPES[args.dtype])
     with torch.set_grad_enabled(args.grad):
         for t in tensors:
-            if t is not None and args.grad:
+            if t is not None and args.grad and t.is_floating_point():
                 t.requires_grad_(True)
-        e = kg.explain(args.op, *tensors)
+        e = kg.explain(args.op, *tensors, device=args.device)
     if args.json:
         print(json.dumps({"op": e.op, "key": e.key, "backend": e.backend, "reason": e.reason,
-                          "candidates": [c.__dict__ for c in e.candidates]}, indent=2))
+                          "valid": e.valid, "candidates": [c.__dict__ for c in e.candidates]}, indent=2))
     else:
         print(e)
-    return 0
+    return 0 if e.valid else 1
 
 
 # ---- evidence: validate, bench run, policy show, db, doctor -------------------------------------
@@ -128,6 +154,18 @@ def _progress(enabled: bool):
     return report
 
 
+def _load_plugins(items: List[str]) -> None:
+    """Loads what --load names (libraries, Python modules or files) into this process, so that
+    the ops and backends they register are known here too."""
+    for item in items:
+        try:
+            plugins.load(item)
+        except (RuntimeError, ImportError, OSError, SyntaxError) as exc:
+            raise SystemExit(f"kernelgate: cannot load {item}: {exc}")
+    if items:
+        kg.evidence.install()
+
+
 def _ops_for(name: str) -> List[str]:
     names = [o["name"] for o in kg.ops()]
     if name == "all":
@@ -139,19 +177,16 @@ def _ops_for(name: str) -> List[str]:
 
 def _run_sweep(args, time: bool) -> int:
     grid = "quick" if getattr(args, "quick", False) else getattr(args, "grid", "quick")
-    shard = getattr(args, "shard", "0/1")
-    try:
-        i, n = (int(p) for p in shard.split("/"))
-    except ValueError:
-        raise SystemExit(f"--shard must be i/N, e.g. 0/4, got '{shard}'")
-    worker = kg.evidence.worker_argv(args.load)
-    for plugin in args.load:
-        try:
-            _C.load_plugin(os.path.abspath(plugin))
-        except RuntimeError as exc:
-            raise SystemExit(f"kernelgate: {exc}")
+    i, n = args.shard
+    _load_plugins(args.load)
+    infos = {o["name"]: o for o in kg.ops()}
     reports = {}
     for op in _ops_for(args.op):
+        # Python backends and ops run in the Python worker; the others in kernelgate-worker.
+        chosen = [b for b in infos[op]["backends"] if not args.backend or b["name"] in args.backend]
+        python = (infos[op]["defined_in_python"] or any(b["kind"] == "python" for b in chosen)
+                  or any(plugins.needs_python_worker(p) for p in args.load))
+        worker = kg.evidence.worker_argv(args.load, python)
         try:
             reports[op] = _C.sweep(op, args.backend, args.dtype, grid, args.seeds, i, n, _db(args), time,
                                    args.case_timeout, args.time_cap, worker,
@@ -264,7 +299,8 @@ def cmd_doctor(args) -> int:
 def cmd_demo(args) -> int:
     """rms_norm forward and backward through kernelgate, and which backend served it and why."""
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    ours = "kernelgate_cuda" if device == "cuda" else "kernelgate_cpu"
+    _check_device(device, "demo")
+    ours = "kernelgate_cuda" if device.startswith("cuda") else "kernelgate_cpu"
     dtype = torch.bfloat16
     torch.manual_seed(0)
     rows, hidden = (4096, 4096) if device == "cuda" else (256, 1024)
@@ -310,24 +346,80 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def _add_load_arg(p) -> None:
+    p.add_argument("--load", action="append", default=[],
+                   help="what registers extra backends or ops: a plugin library (.so), a Python "
+                        "module or a .py file (repeat for several)")
+
+
+_INT_MAX = 2**31 - 1
+
+
+def _count(text: str) -> int:
+    """A whole number in [1, 2^31 - 1] (argparse type)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got '{text}'")
+    if not 1 <= v <= _INT_MAX:
+        raise argparse.ArgumentTypeError(f"must be between 1 and {_INT_MAX}, got {v}")
+    return v
+
+
+def _seconds(positive: bool):
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number of seconds, got '{text}'")
+        if not math.isfinite(v) or v < 0 or (positive and v == 0):
+            raise argparse.ArgumentTypeError(
+                f"must be a finite number of seconds {'> 0' if positive else '>= 0'}, got '{text}'")
+        return v
+    return parse
+
+
+def _shard(text: str):
+    """i/N with 0 <= i < N <= 2^31 - 1."""
+    try:
+        i, n = (int(p) for p in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be i/N, e.g. 0/4, got '{text}'")
+    if not (0 <= i < n <= _INT_MAX):
+        raise argparse.ArgumentTypeError(f"must be i/N with 0 <= i < N <= {_INT_MAX}, got '{text}'")
+    return i, n
+
+
 def _add_sweep_args(p, timing: bool) -> None:
     p.add_argument("op", help="an op name, or 'all'")
     p.add_argument("--backend", action="append", default=[], help="repeat for several; default all")
     p.add_argument("--dtype", action="append", default=[], choices=sorted(DTYPES))
-    p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--case-timeout", type=float, default=120.0, help="seconds before a case counts as hung")
-    p.add_argument("--time-cap", type=float, default=1.0 if timing else 0.0, help="seconds of timing per run")
-    p.add_argument("--load", action="append", default=[], help="a plugin library registering extra backends")
+    p.add_argument("--seeds", type=_count, default=1,
+                   help="fresh inputs per case and value regime (>= 1; every case is tried in every regime)")
+    p.add_argument("--case-timeout", type=_seconds(positive=True), default=120.0,
+                   help="seconds before a case counts as hung (> 0)")
+    p.add_argument("--time-cap", type=_seconds(positive=False), default=1.0 if timing else 0.0,
+                   help="seconds of timing per run (>= 0)")
+    _add_load_arg(p)
     p.add_argument("--db", default=None, help="store file (default: KERNELGATE_DB or the cache directory)")
-    p.add_argument("--shard", default="0/1", help="i/N: run every N-th case starting at i")
+    p.add_argument("--shard", type=_shard, default=(0, 1), help="i/N: run every N-th case starting at i")
     p.add_argument("--json", action="store_true")
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line (exit status 1), like every other error of the command."""
+
+    def error(self, message: str):
+        raise SystemExit(f"{self.prog}: {message}")
+
+
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="kernelgate", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(prog="kernelgate", description=__doc__,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("ops", help="ops, backends and their availability")
+    _add_load_arg(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_ops)
 
@@ -348,6 +440,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p = pol.add_parser("show", help="per region: winner, runner-up, margin, failures")
     p.add_argument("op", help="an op name, or 'all'")
     p.add_argument("--db", default=None)
+    _add_load_arg(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_policy_show)
 
@@ -357,6 +450,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--grad", action="store_true", help="the call is part of a training step")
+    _add_load_arg(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_explain)
 
@@ -369,17 +463,30 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     p = sub.add_parser("doctor", help="GPU, fingerprint, evidence status, why rows are stale")
     p.add_argument("--db", default=None)
+    _add_load_arg(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_doctor)
 
     p = sub.add_parser("demo", help="rms_norm forward+backward: which backend served it and why")
-    p.add_argument("--device", choices=["cpu", "cuda"], default=None)
+    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda where there is one)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_demo)
     args = parser.parse_args(argv)
     if args.command == "db" and args.action != "path" and not args.file:
         parser.error(f"db {args.action} needs a FILE")
-    return args.fn(args)
+    try:
+        _load_plugins(getattr(args, "load", []))
+        return args.fn(args)
+    except KeyboardInterrupt:
+        print(f"kernelgate {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except (RuntimeError, ValueError, TypeError, OSError) as exc:
+        if args.debug:
+            raise
+        # One line, as for every other error; --debug shows where it came from.
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"kernelgate {args.command}: {first}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

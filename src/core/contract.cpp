@@ -94,8 +94,17 @@ void parse_dims(OpContract& c) {
     c.tensor_args.push_back(std::move(arg));
   }
   TORCH_CHECK(!c.tensor_args.empty(), "op ", c.name, ": dims names no tensor argument");
-  TORCH_CHECK(c.tensor_args.size() <= kMaxTensorArgs && c.named_dims.size() <= kMaxNamedDims,
-              "op ", c.name, ": too many tensor arguments or named dims");
+  TORCH_CHECK(c.tensor_args.size() <= kMaxTensorArgs && c.named_dims.size() <= kMaxNamedDims, "op ",
+              c.name, ": too many tensor arguments or named dims");
+}
+
+std::string one_of(const std::vector<std::string>& values) {
+  std::string out;
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (i) out += i + 1 == values.size() ? " or " : ", ";
+    out += "'" + values[i] + "'";
+  }
+  return out;
 }
 
 uint16_t variant_of(const OpContract& c, const std::map<std::string, std::string>& strings) {
@@ -105,9 +114,8 @@ uint16_t variant_of(const OpContract& c, const std::map<std::string, std::string
     if (it == strings.end()) continue;
     auto pos = std::find(values.begin(), values.end(), it->second);
     if (pos == values.end()) {
-      std::string allowed;
-      for (const auto& v : values) allowed += (allowed.empty() ? "'" : ", '") + v + "'";
-      TORCH_CHECK(false, c.name, ": ", name, " must be one of ", allowed, ", got '", it->second, "'");
+      TORCH_CHECK(false, c.name, ": ", name, " must be ", one_of(values), ", got '", it->second,
+                  "'");
     }
     variant = static_cast<uint16_t>(variant * values.size() + (pos - values.begin()));
   }
@@ -131,8 +139,8 @@ BoundDims check_call(const OpContract& c, const CallView& call) {
       first = t;
     } else {
       TORCH_CHECK(t->device() == first->device(), c.name, ": ", spec.name,
-                  " must be on the same device as ", c.tensor_args[0].name, " (",
-                  first->device(), "), got ", t->device());
+                  " must be on the same device as ", c.tensor_args[0].name, " (", first->device(),
+                  "), got ", t->device());
     }
     const c10::ScalarType st = t->scalar_type();
     if (spec.dtype_class == DTypeClass::kIndex) {
@@ -180,13 +188,14 @@ BoundDims check_call(const OpContract& c, const CallView& call) {
       if (b.arg < 0) {
         b = here;
       } else {
-        TORCH_CHECK(size == b.size, c.name, ": ", where(c, here), " must be ", b.size,
-                    " to match ", where(c, b), " (", c.named_dims[d.named_dim], "), got ", size);
+        TORCH_CHECK(size == b.size, c.name, ": ", where(c, here), " must be ", b.size, " to match ",
+                    where(c, b), " (", c.named_dims[d.named_dim], "), got ", size);
       }
     }
   }
   BoundDims out;
-  for (size_t i = 0; i < c.named_dims.size(); ++i) out.size[i] = bound[i].arg < 0 ? 0 : bound[i].size;
+  for (size_t i = 0; i < c.named_dims.size(); ++i)
+    out.size[i] = bound[i].arg < 0 ? 0 : bound[i].size;
   return out;
 }
 

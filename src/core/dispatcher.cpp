@@ -8,6 +8,7 @@
 // changes policy or overrides.
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
@@ -64,6 +65,27 @@ std::string rtrim_copy(std::string s) {
 
 }  // namespace
 
+std::string valid_utf8(const std::string& text) {
+  std::string out;
+  out.reserve(text.size());
+  for (size_t i = 0; i < text.size();) {
+    const unsigned char c = static_cast<unsigned char>(text[i]);
+    size_t n = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xE ? 3 : (c >> 3) == 0x1E ? 4 : 0;
+    bool ok = n > 0 && i + n <= text.size();
+    for (size_t k = 1; ok && k < n; ++k) ok = (static_cast<unsigned char>(text[i + k]) >> 6) == 0x2;
+    if (ok) {
+      out.append(text, i, n);
+      i += n;
+    } else {
+      char esc[5];
+      std::snprintf(esc, sizeof(esc), "\\x%02x", c);
+      out += esc;
+      ++i;
+    }
+  }
+  return out;
+}
+
 int cuda_arch(int device_index) {
   if (device_index < 0 || device_index >= static_cast<int>(g_arch_cache.size())) return 0;
   int16_t cached = g_arch_cache[device_index].load(std::memory_order_relaxed);
@@ -80,6 +102,7 @@ struct Dispatcher::Impl {
   mutable std::mutex mu;  // registry, overrides, policy, decision map
   std::vector<std::unique_ptr<OpEntry>> ops;
   std::shared_ptr<PolicySource> policy;  // evidence; may be null
+  bool policy_problems_logged = false;   // its problems() are logged once, at the first decision
   std::shared_ptr<InMemoryPolicy> memory;
   Overrides overrides;
   std::unordered_map<DispatchKey, Decision*, KeyHash> decisions;
@@ -123,17 +146,19 @@ Dispatcher::~Dispatcher() = default;
 
 Dispatcher& Dispatcher::get() {
   // Leaked on purpose: op registrations and thread-local caches may outlive static destruction.
-  static Dispatcher* instance = [] {
-    auto* d = new Dispatcher();
-    register_builtin_ops(*d);
-    return d;
-  }();
+  static Dispatcher* instance = new Dispatcher();
   return *instance;
 }
 
-OpId Dispatcher::add_op(OpContract contract, BackendDesc reference) {
-  TORCH_INTERNAL_ASSERT(reference.kind == BackendKind::kReference);
-  parse_dims(contract);
+const char* intern(const std::string& text) {
+  static std::mutex mu;
+  static auto* texts = new std::set<std::string>();  // leaked: reasons outlive static destruction
+  std::lock_guard<std::mutex> lock(mu);
+  return texts->insert(text).first->c_str();
+}
+
+OpId Dispatcher::add_op(OpContract contract) {
+  if (contract.tensor_args.empty()) parse_dims(contract);
   std::lock_guard<std::mutex> lock(impl_->mu);
   TORCH_CHECK(impl_->ops.size() < kMaxOps, "too many ops registered (", kMaxOps, ")");
   for (const auto& e : impl_->ops) {
@@ -142,8 +167,8 @@ OpId Dispatcher::add_op(OpContract contract, BackendDesc reference) {
   auto entry = std::make_unique<OpEntry>();
   entry->id = static_cast<OpId>(impl_->ops.size());
   entry->contract = std::move(contract);
-  entry->availability.push_back(Support::yes());
-  entry->backends.push_back(std::move(reference));
+  entry->backends.reserve(kMaxBackends);
+  entry->availability.reserve(kMaxBackends);
   impl_->ops.push_back(std::move(entry));
   impl_->bump();
   return impl_->ops.back()->id;
@@ -152,17 +177,34 @@ OpId Dispatcher::add_op(OpContract contract, BackendDesc reference) {
 int Dispatcher::add_backend(OpId op, BackendDesc backend) {
   // `available` may import or probe: run it outside the lock.
   Support avail = backend.available ? backend.available() : Support::yes();
+  if (avail.ok && !backend.impl) avail = Support::no("the backend has no implementation");
+  if (backend.impl && !backend.impl->has_backward()) {
+    // A forward-only backend: calls that need gradients go to the next ranked backend.
+    auto inner = std::move(backend.can_implement);
+    backend.can_implement = [inner](const CallView& call) {
+      if (call.grad)
+        return Support::no("forward only (no backward): serves calls that need no gradient");
+      return inner ? inner(call) : Support::yes();
+    };
+  }
+  if (!backend.can_implement)
+    backend.can_implement = [](const CallView&) { return Support::yes(); };
   std::lock_guard<std::mutex> lock(impl_->mu);
   TORCH_CHECK(op < impl_->ops.size(), "unknown op id ", op);
   OpEntry& e = *impl_->ops[op];
   TORCH_CHECK(e.backends.size() < kMaxBackends, "op ", e.contract.name, " has too many backends");
+  TORCH_CHECK((backend.kind == BackendKind::kReference) == e.backends.empty(), "op ",
+              e.contract.name, ": its first backend, and only that one, is its reference (got ",
+              backend.name, ")");
+  TORCH_CHECK(!e.backends.empty() || avail.ok, "op ", e.contract.name,
+              ": its reference must be available (", avail.reason, ")");
   for (const auto& b : e.backends) {
     TORCH_CHECK(b.name != backend.name, "backend ", backend.name, " is already registered for ",
                 e.contract.name);
   }
-  TORCH_CHECK(backend.can_implement, "backend ", backend.name, " has no can_implement");
-  e.backends.push_back(std::move(backend));
+  // The entries are complete before the size grows: a router that sees the new index sees them.
   e.availability.push_back(avail);
+  e.backends.push_back(std::move(backend));
   impl_->bump();
   return static_cast<int>(e.backends.size()) - 1;
 }
@@ -182,9 +224,12 @@ const OpEntry* Dispatcher::find_op(const std::string& name) const {
 }
 
 std::vector<std::string> Dispatcher::op_names() const {
-  std::lock_guard<std::mutex> lock(impl_->mu);
   std::vector<std::string> out;
-  for (const auto& e : impl_->ops) out.push_back(e->contract.name);
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    for (const auto& e : impl_->ops) out.push_back(e->contract.name);
+  }
+  std::sort(out.begin(), out.end());  // ops register in whatever order their files load
   return out;
 }
 
@@ -199,8 +244,8 @@ DispatchKey Dispatcher::make_key(OpId op, const CallView& call, const BoundDims&
     if (first == nullptr) first = t;
     key.dtypes[a] = static_cast<uint8_t>(t->scalar_type());
   }
-  if (first != nullptr && first->is_cuda()) {
-    key.arch = static_cast<int16_t>(cuda_arch(first->get_device()));
+  if (const c10::Device device = call.device(); device.is_cuda()) {
+    key.arch = static_cast<int16_t>(cuda_arch(device.index() < 0 ? 0 : device.index()));
   }
   const size_t n = impl_->ops[op]->contract.named_dims.size();
   for (size_t i = 0; i < n; ++i) key.buckets[i] = size_bucket(dims.size[i]);
@@ -300,11 +345,19 @@ int Dispatcher::select(OpId op, const CallView& call, const BoundDims& dims) {
   } else {
     std::call_once(impl_->env_once, [this] { apply_env(); });
     std::vector<std::pair<LogLevel, std::string>> logs;
+    std::shared_ptr<PolicySource> unlogged;  // whose problems are not yet logged
     {
       std::lock_guard<std::mutex> lock(impl_->mu);
       auto it = impl_->decisions.find(key);
-      d = it != impl_->decisions.end() ? it->second
-                                       : impl_->decide(*impl_->ops[op], key, &logs);
+      d = it != impl_->decisions.end() ? it->second : impl_->decide(*impl_->ops[op], key, &logs);
+      if (!impl_->policy_problems_logged && impl_->policy) {
+        impl_->policy_problems_logged = true;
+        unlogged = impl_->policy;
+      }
+    }
+    // Outside the lock: a log hook may run Python, which may call back into kernelgate.
+    if (unlogged) {
+      for (const auto& p : unlogged->problems()) log_once(LogLevel::kWarning, kNoOp, p);
     }
     for (auto& [level, msg] : logs) log_once(level, op, msg);
     slot.key = key;
@@ -341,16 +394,18 @@ Explanation Dispatcher::explain(OpId op, const CallView& call, const BoundDims& 
   std::string reason;
   std::vector<uint8_t> ranked;
   Overrides ov;
+  std::shared_ptr<PolicySource> policy;
   {
     std::vector<std::pair<LogLevel, std::string>> ignored;
     std::lock_guard<std::mutex> lock(impl_->mu);
     auto it = impl_->decisions.find(key);
-    const Decision* d = it != impl_->decisions.end() ? it->second
-                                                     : impl_->decide(e, key, &ignored);
+    const Decision* d = it != impl_->decisions.end() ? it->second : impl_->decide(e, key, &ignored);
     ranked.assign(d->ranked.begin(), d->ranked.begin() + d->n);
     reason = d->reason;
     ov = impl_->overrides;
+    policy = impl_->policy;
   }
+  if (policy) ex.evidence_problems = policy->problems();
   int chosen = -1;
   std::vector<std::string> reasons(e.backends.size());
   for (size_t r = 0; r < ranked.size(); ++r) {
@@ -361,8 +416,7 @@ Explanation Dispatcher::explain(OpId op, const CallView& call, const BoundDims& 
                    " but cannot implement this call: " + s.reason;
     } else if (chosen < 0) {
       chosen = b;
-      reasons[b] = r == 0 ? reason
-                          : std::string("first ranked backend that implements this call");
+      reasons[b] = r == 0 ? reason : std::string("first ranked backend that implements this call");
     } else {
       reasons[b] = "ranked #" + std::to_string(r + 1) + ", below " + e.backends[chosen].name;
     }
@@ -396,6 +450,7 @@ Explanation Dispatcher::explain(OpId op, const CallView& call, const BoundDims& 
 void Dispatcher::set_policy(std::shared_ptr<PolicySource> policy) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   impl_->policy = std::move(policy);
+  impl_->policy_problems_logged = false;
   impl_->bump();
 }
 
@@ -467,10 +522,13 @@ void Dispatcher::log_once(LogLevel level, OpId op, const std::string& reason) {
     hook = impl_->hook;
     info = impl_->info_to_stderr;
   }
+  // Messages quote environment values and file names, which may be any bytes: the hook (Python's
+  // logging) gets valid UTF-8.
+  const std::string text = valid_utf8(reason);
   if (hook) {
-    hook(level, name, reason);
+    hook(level, name, text);
   } else {
-    default_log(level, info, name, reason);
+    default_log(level, info, name, text);
   }
 }
 
@@ -482,16 +540,17 @@ void Dispatcher::reset_log_once() {
 
 namespace {
 
-// Parses "backend" or "op=backend[,op=backend...]". Returns false with `problem` set when malformed.
-bool parse_override_list(const char* text, Dispatcher& d,
+// Parses "backend" or "op=backend[,op=backend...]". Returns false with `problem` set when
+// malformed.
+bool parse_override_list(const char* text, Dispatcher& d, bool list_is_exclude,
                          std::vector<std::pair<std::string, std::string>>* out,
                          std::string* problem) {
   std::string s(text);
   size_t start = 0;
   while (start <= s.size()) {
     size_t comma = s.find(',', start);
-    std::string item = rtrim_copy(s.substr(start, comma == std::string::npos ? std::string::npos
-                                                                             : comma - start));
+    std::string item =
+        rtrim_copy(s.substr(start, comma == std::string::npos ? std::string::npos : comma - start));
     start = comma == std::string::npos ? s.size() + 1 : comma + 1;
     if (item.empty()) {
       *problem = "empty entry";
@@ -528,6 +587,10 @@ bool parse_override_list(const char* text, Dispatcher& d,
       *problem = "no op has a backend '" + backend + "'";
       return false;
     }
+    if (list_is_exclude && backend == "reference") {
+      *problem = "the reference cannot be excluded; it serves every call nothing else may";
+      return false;
+    }
     out->emplace_back(op, backend);
   }
   return true;
@@ -546,7 +609,7 @@ void Dispatcher::apply_env() {
     if (text == nullptr || *text == '\0') continue;
     std::vector<std::pair<std::string, std::string>> parsed;
     std::string problem;
-    if (parse_override_list(text, *this, &parsed, &problem)) {
+    if (parse_override_list(text, *this, v.list == &o.excluded, &parsed, &problem)) {
       *v.list = std::move(parsed);
     } else {
       log_once(LogLevel::kWarning, kNoOp,
@@ -561,8 +624,9 @@ void Dispatcher::apply_env() {
       info = true;
     } else if (l != "warning") {
       log_once(LogLevel::kWarning, kNoOp,
-               "KERNELGATE_LOG='" + l + "' is malformed; expected 'info' or 'warning'; using "
-               "'warning'");
+               "KERNELGATE_LOG='" + l +
+                   "' is malformed; expected 'info' or 'warning'; using "
+                   "'warning'");
     }
   }
   {
@@ -634,9 +698,8 @@ std::string describe_key(const DispatchKey& key) {
   for (size_t a = 0; a < e.contract.tensor_args.size(); ++a) {
     if (!first) s += ",";
     first = false;
-    s += key.dtypes[a] == kAbsentDType
-             ? std::string("none")
-             : dtype_name(static_cast<c10::ScalarType>(key.dtypes[a]));
+    s += key.dtypes[a] == kAbsentDType ? std::string("none")
+                                       : dtype_name(static_cast<c10::ScalarType>(key.dtypes[a]));
   }
   for (size_t i = 0; i < e.contract.named_dims.size(); ++i) {
     s += " " + e.contract.named_dims[i];

@@ -1,8 +1,8 @@
 // Cases from an op's contract, and the one-line encodings that cross the worker pipe.
 #include <algorithm>
 #include <cmath>
-#include <set>
 #include <cstdio>
+#include <set>
 
 #include "harness/harness.h"
 #include "kernelgate/dispatch.h"
@@ -132,23 +132,23 @@ std::string Case::id() const {
 
 std::string Case::encode() const {
   return encode_fields({{"op", op},
-                    {"dims", join_map(dims)},
-                    {"dtype", dtype},
-                    {"layout", layout},
-                    {"regime", regime},
-                    {"scalars", join_scalars(scalars)},
-                    {"strings", join_strings(strings)},
-                    {"optional", with_optional ? "1" : "0"},
-                    {"grad", grad ? "1" : "0"},
-                    {"seed", std::to_string(seed)}});
+                        {"dims", join_map(dims)},
+                        {"dtype", dtype},
+                        {"layout", layout},
+                        {"regime", regime},
+                        {"scalars", join_scalars(scalars)},
+                        {"strings", join_strings(strings)},
+                        {"optional", with_optional ? "1" : "0"},
+                        {"grad", grad ? "1" : "0"},
+                        {"seed", std::to_string(seed)}});
 }
 
 std::optional<Case> Case::decode(const std::string& text, std::string* problem) {
   std::map<std::string, std::string> kv;
   if (!decode_fields(text, &kv, problem)) return std::nullopt;
   Case c;
-  for (const char* k : {"op", "dims", "dtype", "layout", "regime", "scalars", "optional", "grad",
-                        "seed"}) {
+  for (const char* k :
+       {"op", "dims", "dtype", "layout", "regime", "scalars", "optional", "grad", "seed"}) {
     if (!kv.count(k)) {
       *problem = std::string("case lacks '") + k + "'";
       return std::nullopt;
@@ -176,24 +176,24 @@ std::optional<Case> Case::decode(const std::string& text, std::string* problem) 
 
 std::string Measured::encode() const {
   auto opt = [](const std::optional<double>& v) { return v ? num(*v) : std::string(); };
-  return encode_fields({{"disposition", disposition},
-                    {"reason", reason},
-                    {"region", region},
-                    {"arch", std::to_string(arch)},
-                    {"buckets", buckets},
-                    {"align", align},
-                    {"l2", num(max_rel_l2)},
-                    {"max", num(max_max_over_rms)},
-                    {"dev_med", opt(device_median_us)},
-                    {"dev_spread", opt(device_spread_us)},
-                    {"dev_n", std::to_string(device_samples)},
-                    {"eager_med", opt(eager_median_us)},
-                    {"eager_spread", opt(eager_spread_us)},
-                    {"eager_n", std::to_string(eager_samples)},
-                    {"noise", num(rel_noise)},
-                    {"throttled", throttled ? "1" : "0"},
-                    {"clk0", clocks_before},
-                    {"clk1", clocks_after}});
+  return encode_fields({{"disposition", std::string(store::to_string(disposition))},
+                        {"reason", reason},
+                        {"region", region},
+                        {"arch", std::to_string(arch)},
+                        {"buckets", buckets},
+                        {"align", align},
+                        {"l2", num(max_rel_l2)},
+                        {"max", num(max_max_over_rms)},
+                        {"dev_med", opt(device_median_us)},
+                        {"dev_spread", opt(device_spread_us)},
+                        {"dev_n", std::to_string(device_samples)},
+                        {"eager_med", opt(eager_median_us)},
+                        {"eager_spread", opt(eager_spread_us)},
+                        {"eager_n", std::to_string(eager_samples)},
+                        {"noise", num(rel_noise)},
+                        {"throttled", throttled ? "1" : "0"},
+                        {"clk0", clocks_before},
+                        {"clk1", clocks_after}});
 }
 
 std::optional<Measured> Measured::decode(const std::string& text, std::string* problem) {
@@ -204,11 +204,16 @@ std::optional<Measured> Measured::decode(const std::string& text, std::string* p
     return std::nullopt;
   }
   Measured m;
+  if (auto d = store::disposition_from_string(kv["disposition"])) {
+    m.disposition = *d;
+  } else {
+    *problem = "unknown disposition '" + kv["disposition"] + "'";
+    return std::nullopt;
+  }
   auto opt = [&](const char* k) -> std::optional<double> {
     return kv[k].empty() ? std::nullopt : std::optional<double>(std::stod(kv[k]));
   };
   try {
-    m.disposition = kv["disposition"];
     m.reason = kv["reason"];
     m.region = kv["region"];
     m.arch = kv["arch"].empty() ? -1 : std::stoi(kv["arch"]);
@@ -272,7 +277,8 @@ std::vector<Case> make_cases(const std::string& op, Grid grid,
   auto fit = [&](std::map<std::string, int64_t> d) {  // sizes the contract requires multiples of
     for (auto& [name, v] : d) {
       auto m = c.dim_multiples.find(name);
-      if (m != c.dim_multiples.end() && m->second > 1) v = (v + m->second - 1) / m->second * m->second;
+      if (m != c.dim_multiples.end() && m->second > 1)
+        v = (v + m->second - 1) / m->second * m->second;
     }
     return d;
   };
@@ -291,10 +297,22 @@ std::vector<Case> make_cases(const std::string& op, Grid grid,
   for (const auto& name : c.named_dims) {
     if (!base.count(name)) base[name] = 64;
   }
+  // The mid-size shape the layouts, value regimes and scalar values are tried on: each dim at
+  // most 256, and the largest halved until the whole fits max_elements.
   std::map<std::string, int64_t> small_base = base;
   for (auto& [k, v] : small_base) v = std::min<int64_t>(v, 256);
+  for (;;) {
+    int64_t elems = 1;
+    for (const auto& [k, v] : small_base) elems *= std::max<int64_t>(v, 1);
+    auto largest =
+        std::max_element(small_base.begin(), small_base.end(),
+                         [](const auto& a, const auto& b) { return a.second < b.second; });
+    if (elems <= max_elements || largest == small_base.end() || largest->second <= 1) break;
+    largest->second = (largest->second + 1) / 2;
+  }
   for (const auto& name : c.named_dims) {
-    auto range = c.dim_ranges.count(name) ? c.dim_ranges.at(name) : std::make_pair<int64_t, int64_t>(1, 65536);
+    auto range = c.dim_ranges.count(name) ? c.dim_ranges.at(name)
+                                          : std::make_pair<int64_t, int64_t>(1, 65536);
     for (int64_t v : edge_sizes(range.first, range.second, full)) {
       auto d = small_base;
       d[name] = v;
@@ -319,21 +337,26 @@ std::vector<Case> make_cases(const std::string& op, Grid grid,
   std::map<std::string, double> default_scalars;
   for (const auto& [name, values] : c.scalar_test_values) default_scalars[name] = values.front();
   std::vector<Case> out;
-  std::set<std::string> emitted;  // the rotation can land on a case listed on its own
-  // Seeds of a default case also rotate the value regime and the scalar values, so that every
-  // region's evidence includes values where eps matters and special values, not only N(0, 1).
-  static const char* kRotation[] = {"normal", "small", "special", "large", "offset"};
+  std::set<std::string> emitted;
+  // Every group of cases the dispatcher tells apart (each shape, dtype, layout, grad mode,
+  // optional and variant) is tried in every value regime, so that every region's evidence holds
+  // values where eps matters, special values, large and offset ones, not only N(0, 1): a backend
+  // wrong in one regime can be ranked nowhere. A case with the contract's default scalars takes
+  // another of their test values in each regime; seeds draw fresh inputs for each.
+  static const char* kRegimes[] = {"normal", "small", "special", "large", "offset"};
+  constexpr size_t kNumRegimes = sizeof(kRegimes) / sizeof(kRegimes[0]);
   auto emit = [&](const Case& k) {
-    for (int s = 0; s < seeds; ++s) {
-      Case v = k;
-      v.seed = s;
-      if (k.regime == "normal" && k.layout == "contiguous" && k.scalars == default_scalars) {
-        v.regime = kRotation[s % 5];
-        for (const auto& [name, values] : c.scalar_test_values) {
-          v.scalars[name] = values[s % values.size()];
+    for (size_t r = 0; r < kNumRegimes; ++r) {
+      for (int s = 0; s < seeds; ++s) {
+        Case v = k;
+        v.seed = s;
+        v.regime = kRegimes[r];
+        if (k.scalars == default_scalars) {
+          for (const auto& [name, values] : c.scalar_test_values)
+            v.scalars[name] = values[r % values.size()];
         }
+        if (emitted.insert(v.id() + "/" + std::to_string(s)).second) out.push_back(v);
       }
-      if (emitted.insert(v.id() + "/" + std::to_string(s)).second) out.push_back(v);
     }
   };
   for (const auto& dt : dtypes) {
@@ -354,25 +377,18 @@ std::vector<Case> make_cases(const std::string& op, Grid grid,
     k.dims = fit(small_base);
     k.dtype = dt;
     k.scalars = default_scalars;
-    const bool smoke = grid == Grid::kSmoke;
+    const bool smoke = grid == Grid::kSmoke;  // one layout
     for (const char* layout : {"row_strided", "offset", "transposed", "expanded"}) {
       if (smoke && std::string(layout) != "row_strided") continue;
       Case l = k;
       l.layout = layout;
       emit(l);
     }
-    for (const char* regime : {"large", "small", "offset", "special"}) {
-      if (smoke && std::string(regime) != "special") continue;
-      Case r = k;
-      r.regime = regime;
-      emit(r);
-    }
+    // Test values the regimes' rotation does not reach.
     for (const auto& [name, values] : c.scalar_test_values) {
-      for (double v : values) {
-        if (smoke && v != values.back()) continue;
+      for (size_t i = kNumRegimes; i < values.size(); ++i) {
         Case s = k;
-        s.scalars[name] = v;
-        s.regime = "small";  // where eps matters
+        s.scalars[name] = values[i];
         emit(s);
       }
     }

@@ -27,7 +27,8 @@ const Nvml& nvml() {
     void* h = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
     if (h == nullptr) return r;
     r.init = reinterpret_cast<int (*)()>(dlsym(h, "nvmlInit_v2"));
-    r.by_pci = reinterpret_cast<int (*)(const char*, Device*)>(dlsym(h, "nvmlDeviceGetHandleByPciBusId_v2"));
+    r.by_pci = reinterpret_cast<int (*)(const char*, Device*)>(
+        dlsym(h, "nvmlDeviceGetHandleByPciBusId_v2"));
     r.clock = reinterpret_cast<int (*)(Device, int, unsigned*)>(dlsym(h, "nvmlDeviceGetClockInfo"));
     r.reasons = reinterpret_cast<int (*)(Device, unsigned long long*)>(
         dlsym(h, "nvmlDeviceGetCurrentClocksEventReasons"));

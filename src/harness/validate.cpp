@@ -53,10 +53,6 @@ at::ScalarType parse_dtype(const std::string& s) {
   TORCH_CHECK(false, "unknown dtype '", s, "'");
 }
 
-struct Failure {
-  std::string disposition, reason;
-};
-
 struct Metrics {
   double l2 = 0, mx = 0;
 };
@@ -68,7 +64,8 @@ Metrics metrics(const Tensor& got, const Tensor& oracle, const Tensor& finite) {
   const Tensor zero = at::zeros({}, oracle.options());
   const Tensor o = at::where(finite, oracle, zero);
   const Tensor diff = at::where(finite, (got.to(at::kDouble) - oracle).abs(), zero);
-  const Tensor v = at::stack({finite.sum().to(at::kDouble), o.norm(), diff.norm(), diff.max()}).cpu();
+  const Tensor v =
+      at::stack({finite.sum().to(at::kDouble), o.norm(), diff.norm(), diff.max()}).cpu();
   const double* d = v.data_ptr<double>();
   const double n = d[0], norm = d[1];
   if (n == 0) return {};
@@ -76,49 +73,65 @@ Metrics metrics(const Tensor& got, const Tensor& oracle, const Tensor& finite) {
   return {d[2] / (norm > 0 ? norm : 1.0), d[3] / (rms > 0 ? rms : 1.0)};
 }
 
-// Empty string when `got` passes; otherwise why not.
-std::string check(const std::string& name, const Tensor& got_in, const Tensor& ref_in,
-                  const Tensor& oracle_in, at::ScalarType dtype, Measured* m) {
+}  // namespace
+
+OracleCheck check_against_oracle(const std::string& name, const Tensor& got_in,
+                                 const Tensor& ref_in, const Tensor& oracle_in,
+                                 at::ScalarType dtype) {
+  OracleCheck out;
+  auto fail = [&](std::string why) {
+    out.failure = std::move(why);
+    return out;
+  };
   Tensor got = got_in.detach();
   Tensor ref = ref_in.detach().to(got.device());
   Tensor oracle = oracle_in.detach().to(got.device(), at::kDouble);
   if (got.sizes() != oracle.sizes()) {
-    return name + ": shape " + c10::str(got.sizes()) + " differs from the oracle's " +
-           c10::str(oracle.sizes());
+    return fail(name + ": shape " + c10::str(got.sizes()) + " differs from the oracle's " +
+                c10::str(oracle.sizes()));
   }
   if (got.scalar_type() != ref.scalar_type()) {
-    return name + ": dtype " + dtype_name(got.scalar_type()) + " differs from the reference's " +
-           dtype_name(ref.scalar_type());
+    return fail(name + ": dtype " + dtype_name(got.scalar_type()) +
+                " differs from the reference's " + dtype_name(ref.scalar_type()));
   }
   Tensor gd = got.to(at::kDouble);
   if (!at::equal(gd.isnan(), oracle.isnan())) {
-    return name + ": NaN pattern differs from the oracle (" +
-           std::to_string(gd.isnan().sum().item<int64_t>()) + " NaN in result, " +
-           std::to_string(oracle.isnan().sum().item<int64_t>()) + " in oracle)";
+    return fail(name + ": NaN pattern differs from the oracle (" +
+                std::to_string(gd.isnan().sum().item<int64_t>()) + " NaN in result, " +
+                std::to_string(oracle.isnan().sum().item<int64_t>()) + " in oracle)");
   }
-  Tensor oi = oracle.isinf(), gi = gd.isinf();
-  if (!at::equal(oi, gi) || !at::equal(oracle.masked_select(oi).sign(), gd.masked_select(gi).sign())) {
-    return name + ": Inf pattern differs from the oracle";
+  // Infinities are the oracle's as the output's dtype holds it: a value past the dtype's range
+  // (a float16 sum over 1e5) is an Inf in any correct result of that dtype.
+  const Tensor held = oracle.to(got.scalar_type()).to(at::kDouble);
+  Tensor oi = held.isinf(), gi = gd.isinf();
+  if (!at::equal(oi, gi) ||
+      !at::equal(held.masked_select(oi).sign(), gd.masked_select(gi).sign())) {
+    return fail(name + ": Inf pattern differs from the oracle");
   }
-  Tensor finite = oracle.isfinite();
+  Tensor finite = held.isfinite();
   Metrics r = metrics(ref, oracle, finite & ref.to(at::kDouble).isfinite());
   Metrics g = metrics(got, oracle, finite);
-  m->max_rel_l2 = std::max(m->max_rel_l2, g.l2);
-  m->max_max_over_rms = std::max(m->max_max_over_rms, g.mx);
+  out.rel_l2 = g.l2;
+  out.max_over_rms = g.mx;
+  out.ref_rel_l2 = r.l2;
+  out.ref_max_over_rms = r.mx;
   const double fl = floor_for(dtype);
   char buf[256];
   if (g.l2 > kFactor * r.l2 + fl) {
-    std::snprintf(buf, sizeof(buf), "%s: relative L2 error %.3e > %.1f x reference %.3e + floor %.1e",
-                  name.c_str(), g.l2, kFactor, r.l2, fl);
-    return buf;
+    std::snprintf(buf, sizeof(buf),
+                  "%s: relative L2 error %.3e > %.1f x reference %.3e + floor %.1e", name.c_str(),
+                  g.l2, kFactor, r.l2, fl);
+    return fail(buf);
   }
   if (g.mx > kFactor * r.mx + fl) {
     std::snprintf(buf, sizeof(buf), "%s: max error / rms %.3e > %.1f x reference %.3e + floor %.1e",
                   name.c_str(), g.mx, kFactor, r.mx, fl);
-    return buf;
+    return fail(buf);
   }
-  return "";
+  return out;
 }
+
+namespace {
 
 // ---- inputs ----------------------------------------------------------------------------------
 
@@ -169,15 +182,27 @@ Tensor seeded_randn(at::IntArrayRef shape, uint64_t seed, at::Device device) {
   return at::randn(shape, gen, at::TensorOptions().dtype(at::kDouble).device(device));
 }
 
-Tensor values(std::vector<int64_t> shape, const std::string& regime, uint64_t seed, at::Device device) {
+Tensor values(std::vector<int64_t> shape, const std::string& regime, uint64_t seed,
+              at::Device device, at::ScalarType dtype) {
   Tensor v = seeded_randn(shape, seed, device);
-  if (regime == "large") v = v * 5e3;
+  // Large, yet within what the dtype holds through an op's sums and products: float16 overflows
+  // at 65504 (a matrix product of 5e3-scaled rows overflowed it for every backend, the reference
+  // included, which taught nothing).
+  if (regime == "large") v = v * (dtype == at::kHalf ? 300.0 : 5e3);
   if (regime == "small") v = v * 1e-4;
   if (regime == "offset") v = v * 0.01 + 3.0;
-  if (regime == "special" && v.dim() == 2 && v.size(0) >= 3 && v.size(1) >= 2) {
-    v[0][0] = std::nan("");
-    v[1][1] = INFINITY;
-    v[2].zero_();
+  // Special values in every shape that has an element: a NaN in the first row, an Inf in the
+  // second (or at the end of the first), an all-zero third row.
+  if (regime == "special" && v.numel() > 0) {
+    const int64_t last = v.size(-1), rows = v.numel() / last;
+    Tensor m = v.view({rows, last});
+    m[0][0] = std::nan("");
+    if (rows >= 2) {
+      m[1][std::min<int64_t>(1, last - 1)] = INFINITY;
+    } else if (last >= 2) {
+      m[0][last - 1] = INFINITY;
+    }
+    if (rows >= 3) m[2].zero_();
   }
   return v;
 }
@@ -208,7 +233,8 @@ std::pair<Inputs, Inputs> make_inputs(const OpContract& c, const Case& k, at::De
       // Class indices in [0, bound), and the op's ignore_index in every 8th entry. Not a leaf:
       // no gradient flows to an index tensor.
       auto range = c.index_ranges.find(spec.name);
-      TORCH_CHECK(range != c.index_ranges.end(), "op ", c.name, " gives no index range for ", spec.name);
+      TORCH_CHECK(range != c.index_ranges.end(), "op ", c.name, " gives no index range for ",
+                  spec.name);
       const int64_t bound = std::max<int64_t>(k.dims.at(range->second), 1);
       Tensor idx;
       if (with_values) {
@@ -227,9 +253,27 @@ std::pair<Inputs, Inputs> make_inputs(const OpContract& c, const Case& k, at::De
       oracle.args.push_back(idx);
       continue;
     }
-    Tensor leaf = with_values
-                      ? values(leaf_shape, a == 0 ? k.regime : "normal", seed, device).to(dtype)
-                      : at::empty(leaf_shape, at::TensorOptions().device(device).dtype(dtype));
+    // The values are those of the call (the regime's pattern where the op sees it), placed in a
+    // leaf of the layout.
+    auto leaf_of = [&](const Tensor& logical) -> Tensor {
+      if (layout == "row_strided") {
+        Tensor l = seeded_randn(leaf_shape, seed + 1, device);
+        l.narrow(1, 0, full[1]).copy_(logical);
+        return l;
+      }
+      if (layout == "offset") {
+        Tensor l = seeded_randn(leaf_shape, seed + 1, device);
+        l.narrow(0, 1, logical.numel()).copy_(logical.reshape(-1));
+        return l;
+      }
+      if (layout == "transposed") return logical.t().contiguous();
+      if (layout == "expanded") return logical.narrow(0, 0, 1).clone();
+      return logical;
+    };
+    Tensor leaf =
+        with_values
+            ? leaf_of(values(full, a == 0 ? k.regime : "normal", seed, device, dtype)).to(dtype)
+            : at::empty(leaf_shape, at::TensorOptions().device(device).dtype(dtype));
     leaf = leaf.detach().requires_grad_(k.grad);
     Tensor leaf64 = with_values ? leaf.detach().to(at::kDouble).requires_grad_(k.grad) : Tensor();
     auto view = [&](const Tensor& t) -> Tensor {
@@ -261,9 +305,10 @@ CallView call_view(const OpContract& c, const Case& k, const Inputs& in) {
 
 // ---- running the op --------------------------------------------------------------------------
 
-std::vector<Tensor> call_op(const std::string& qualified, const OpContract& c, const Case& k,
-                            const std::vector<Tensor>& args) {
-  auto op = c10::Dispatcher::singleton().findSchemaOrThrow(qualified.c_str(), "");
+// The op's arguments for a case, in schema order: the tensors, the case's scalars and strings,
+// the schema's defaults for the rest.
+std::vector<c10::IValue> op_arguments(const c10::OperatorHandle& op, const OpContract& c,
+                                      const Case& k, const std::vector<Tensor>& args) {
   std::vector<c10::IValue> stack;
   for (const auto& arg : op.schema().arguments()) {
     auto it = std::find_if(c.tensor_args.begin(), c.tensor_args.end(),
@@ -285,6 +330,13 @@ std::vector<Tensor> call_op(const std::string& qualified, const OpContract& c, c
       stack.push_back(*arg.default_value());
     }
   }
+  return stack;
+}
+
+std::vector<Tensor> call_op(const std::string& qualified, const OpContract& c, const Case& k,
+                            const std::vector<Tensor>& args) {
+  auto op = c10::Dispatcher::singleton().findSchemaOrThrow(qualified.c_str(), "");
+  std::vector<c10::IValue> stack = op_arguments(op, c, k, args);
   op.callBoxed(stack);
   std::vector<Tensor> out;
   for (const auto& v : stack) {
@@ -328,7 +380,8 @@ void poison_device_memory(at::Device device) {
     std::vector<Tensor> blocks;
     blocks.push_back(at::empty({int64_t{1} << 26}, at::TensorOptions().device(device)));
     for (int i = 0; i < 16; ++i) {
-      blocks.push_back(at::empty({(int64_t{1} << 18) - 64 * i}, at::TensorOptions().device(device)));
+      blocks.push_back(
+          at::empty({(int64_t{1} << 18) - 64 * i}, at::TensorOptions().device(device)));
     }
     for (auto& b : blocks) b.fill_(std::nan(""));
   }
@@ -353,7 +406,8 @@ bool g_device_state_suspect = false;
 // Ends a capture that an exception interrupted, so the stream is usable again.
 void abort_capture(cudaStream_t stream) {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(stream, &status) == cudaSuccess && status != cudaStreamCaptureStatusNone) {
+  if (cudaStreamIsCapturing(stream, &status) == cudaSuccess &&
+      status != cudaStreamCaptureStatusNone) {
     cudaGraph_t partial = nullptr;
     cudaStreamEndCapture(stream, &partial);
     if (partial != nullptr) cudaGraphDestroy(partial);
@@ -408,7 +462,8 @@ void time_run(const std::function<void()>& fn, at::Device device, const RunOptio
     } catch (const c10::Error& e) {
       m->reason = std::string("device time not measured: graph capture failed: ") +
                   e.what_without_backtrace();
-      g_device_state_suspect = true;  // the worker answers, then exits: the next case gets a fresh one
+      g_device_state_suspect =
+          true;  // the worker answers, then exits: the next case gets a fresh one
     }
     ClockReading after = read_clocks(device.index());
     m->clocks_after = after.text;
@@ -419,7 +474,8 @@ void time_run(const std::function<void()>& fn, at::Device device, const RunOptio
     auto timed = [&](const std::function<void()>& body) {
       auto t0 = std::chrono::steady_clock::now();
       body();
-      return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+      return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0)
+          .count();
     };
     while (!eager.done()) eager.add(timed(fn));
     dev = eager;  // no graphs on the CPU: the call is the device time
@@ -445,7 +501,8 @@ void prepare_worker_device() {
 #ifdef KERNELGATE_WITH_CUDA
   // A stream of the worker's own, current for all its work: CUDA-graph capture needs a
   // non-default stream, and inputs made on it keep autograd off the legacy default stream.
-  if (at::cuda::is_available()) at::cuda::setCurrentCUDAStream(at::cuda::getStreamFromPool(false, 0));
+  if (at::cuda::is_available())
+    at::cuda::setCurrentCUDAStream(at::cuda::getStreamFromPool(false, 0));
 #endif
 }
 
@@ -460,12 +517,22 @@ std::string case_region(const Case& k, int arch) {
   return describe_key(key);
 }
 
+CaseArguments case_arguments(const Case& k, bool on_gpu, bool float64) {
+  const OpEntry* e = Dispatcher::get().find_op(k.op);
+  TORCH_CHECK(e != nullptr, "unknown op '", k.op, "'");
+  at::Device device = on_gpu ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU);
+  auto [in, oracle] = make_inputs(e->contract, k, device, parse_dtype(k.dtype));
+  const Inputs& chosen = float64 ? oracle : in;
+  auto op = c10::Dispatcher::singleton().findSchemaOrThrow(("kernelgate::" + k.op).c_str(), "");
+  return {op_arguments(op, e->contract, k, chosen.args), chosen.leaves};
+}
+
 Measured run_case(const Case& k, const std::string& backend, const RunOptions& options) {
   Measured m;
   try {
     Dispatcher& d = Dispatcher::get();
     const OpEntry* e = d.find_op(k.op);
-    if (e == nullptr) return {"unsupported", "unknown op '" + k.op + "'"};
+    if (e == nullptr) return {store::Disposition::kUnsupported, "unknown op '" + k.op + "'"};
     const OpContract& c = e->contract;
     const at::ScalarType dtype = parse_dtype(k.dtype);
     at::Device device = at::kCPU;
@@ -492,7 +559,7 @@ Measured run_case(const Case& k, const std::string& backend, const RunOptions& o
           if (cand.backend == backend) m.reason = cand.reason;
         }
         if (m.reason.empty()) m.reason = "no backend '" + backend + "' for " + k.op;
-        m.disposition = "unsupported";
+        m.disposition = store::Disposition::kUnsupported;
         return m;
       }
     }
@@ -525,8 +592,9 @@ Measured run_case(const Case& k, const std::string& backend, const RunOptions& o
     }
     ora = forward_backward("kernelgate::_" + k.op + "_reference", c, k, oracle_in, cot);
     if (got.size() != ora.size()) {
-      return {"incorrect", "returned " + std::to_string(got.size()) + " tensors, the oracle " +
-                               std::to_string(ora.size())};
+      return {store::Disposition::kIncorrect, "returned " + std::to_string(got.size()) +
+                                                  " tensors, the oracle " +
+                                                  std::to_string(ora.size())};
     }
     std::vector<std::string> names;
     for (size_t i = 0; i < got.size(); ++i) names.push_back("output " + std::to_string(i));
@@ -538,10 +606,12 @@ Measured run_case(const Case& k, const std::string& backend, const RunOptions& o
     }
     for (size_t i = 0; i < got.size(); ++i) {
       const std::string& name = names[i];
-      std::string why = check(name, got[i], ref[i], ora[i], dtype, &m);
-      if (!why.empty()) {
-        m.disposition = "incorrect";
-        m.reason = why;
+      const OracleCheck ok = check_against_oracle(name, got[i], ref[i], ora[i], dtype);
+      m.max_rel_l2 = std::max(m.max_rel_l2, ok.rel_l2);
+      m.max_max_over_rms = std::max(m.max_max_over_rms, ok.max_over_rms);
+      if (!ok.failure.empty()) {
+        m.disposition = store::Disposition::kIncorrect;
+        m.reason = ok.failure;
         return m;
       }
     }
@@ -550,13 +620,13 @@ Measured run_case(const Case& k, const std::string& backend, const RunOptions& o
       time_run([&] { forward_backward(qualified, c, k, in, cot); }, device, options, &m);
     }
   } catch (const c10::OutOfMemoryError& e) {
-    m.disposition = "out_of_memory";
+    m.disposition = store::Disposition::kOutOfMemory;
     m.reason = e.what_without_backtrace();
   } catch (const c10::Error& e) {
-    m.disposition = "crashed";
+    m.disposition = store::Disposition::kCrashed;
     m.reason = std::string("raised: ") + e.what_without_backtrace();
   } catch (const std::exception& e) {
-    m.disposition = "crashed";
+    m.disposition = store::Disposition::kCrashed;
     m.reason = std::string("raised: ") + e.what();
   }
   return m;

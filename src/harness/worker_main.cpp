@@ -4,49 +4,21 @@
 //   kernelgate-worker [--load PLUGIN.so ...]
 // Reads one request per line on stdin (fields: backend, time, cap, noise, case) and answers one
 // line on stdout (Measured::encode). A plugin library registers extra backends through its
-// `kernelgate_register_backends(kernelgate::Dispatcher&)` function.
-#include <c10/core/CPUAllocator.h>
-#include <dlfcn.h>
-#include <unistd.h>
-
+// `kernelgate_register_backends(kernelgate::Dispatcher&)` function. Python backends and ops need
+// the Python worker instead (python -m kernelgate.worker), which serves the same protocol.
 #include <cstring>
-#include <cstdio>
 #include <iostream>
-#include <string>
 
 #include "harness/harness.h"
 #include "harness/sweep.h"
-#include "kernelgate/dispatch.h"
-
-namespace {
-
-// Fills every new CPU allocation with 0xFF bytes: NaN in float32, float16 and bfloat16, so an
-// output element a backend never writes fails the NaN-pattern check.
-class PoisonAllocator final : public c10::Allocator {
- public:
-  explicit PoisonAllocator(c10::Allocator* base) : base_(base) {}
-  c10::DataPtr allocate(size_t n) override {
-    c10::DataPtr p = base_->allocate(n);
-    if (n > 0) std::memset(p.get(), 0xFF, n);
-    return p;
-  }
-  c10::DeleterFnPtr raw_deleter() const override { return base_->raw_deleter(); }
-  void copy_data(void* dest, const void* src, std::size_t count) const override {
-    std::memcpy(dest, src, count);
-  }
-
- private:
-  c10::Allocator* base_;
-};
-
-}  // namespace
+#include "harness/worker_pool.h"
 
 int main(int argc, char** argv) {
-  using namespace kernelgate;
+  kernelgate::harness::die_with_parent();
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--load") == 0 && i + 1 < argc) {
       try {
-        harness::load_backend_plugin(argv[++i]);
+        kernelgate::harness::load_backend_plugin(argv[++i]);
       } catch (const std::exception& e) {
         std::cerr << "kernelgate-worker: " << e.what() << "\n";
         return 2;
@@ -56,46 +28,5 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  static PoisonAllocator poison(c10::GetDefaultCPUAllocator());
-  c10::SetCPUAllocator(&poison, /*priority=*/100);
-  Dispatcher::get().set_log_hook([](LogLevel, const std::string&, const std::string&) {});
-  harness::prepare_worker_device();
-
-  // Responses go to the original stdout; anything a library prints goes to stderr, so it can
-  // never corrupt the protocol.
-  FILE* responses = fdopen(dup(STDOUT_FILENO), "w");
-  dup2(STDERR_FILENO, STDOUT_FILENO);
-  if (responses == nullptr) return 2;
-
-  std::string line;
-  while (std::getline(std::cin, line)) {
-    if (line == "ping") {  // the parent waits for start-up before timing cases
-      std::fprintf(responses, "pong\n");
-      std::fflush(responses);
-      continue;
-    }
-    std::map<std::string, std::string> f;
-    std::string problem;
-    harness::Measured m;
-    std::optional<harness::Case> c;
-    if (!harness::decode_fields(line, &f, &problem) ||
-        !(c = harness::Case::decode(f["case"], &problem))) {
-      m.disposition = "crashed";
-      m.reason = "bad request: " + problem;
-    } else {
-      harness::RunOptions o;
-      o.time = f["time"] == "1";
-      if (!f["cap"].empty()) o.time_cap_s = std::stod(f["cap"]);
-      if (!f["noise"].empty()) o.target_rel_noise = std::stod(f["noise"]);
-      m = harness::run_case(*c, f["backend"], o);  // an OOM error is a disposition here
-    }
-    // After a failed graph capture the device state is suspect: the worker answers, says it is
-    // exiting (so that no further request is sent to it), and exits.
-    const bool exiting = harness::device_state_suspect();
-    std::fprintf(responses, "%s%s\n", m.encode().c_str(),
-                 exiting ? (std::string(";") + harness::kWorkerExitsField + "=1").c_str() : "");
-    std::fflush(responses);
-    if (exiting) return 0;
-  }
-  return 0;
+  return kernelgate::harness::serve_worker();
 }

@@ -4,11 +4,13 @@
 #include <poll.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <optional>
 #include <stdexcept>
@@ -110,6 +112,13 @@ ssize_t write_without_sigpipe(int fd, const char* data, size_t size) {
 
 }  // namespace
 
+void die_with_parent() {
+  const char* parent = std::getenv(kWorkerParentEnv);
+  if (parent == nullptr) return;
+  ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+  if (std::to_string(::getppid()) != parent) ::_exit(3);  // the parent died before the prctl
+}
+
 std::string to_string(Outcome::Kind kind) {
   switch (kind) {
     case Outcome::Kind::kOk: return "ok";
@@ -162,6 +171,7 @@ void WorkerPool::spawn() {
     if (command_.env_overrides.count(kv.substr(0, kv.find('='))) == 0) env.push_back(kv);
   }
   for (const auto& [name, value] : command_.env_overrides) env.push_back(name + "=" + value);
+  env.push_back(std::string(kWorkerParentEnv) + "=" + std::to_string(::getpid()));
   std::vector<char*> argv, envp;
   for (auto& arg : command_.argv) argv.push_back(arg.data());
   for (auto& kv : env) envp.push_back(kv.data());
@@ -286,6 +296,10 @@ Outcome WorkerPool::request(const std::string& line, milliseconds timeout) {
 
     if (const size_t nl = stdout_buffer_.find('\n'); nl != std::string::npos) {
       return finish_response(nl);
+    }
+    if (interrupted_ && interrupted_()) {
+      kill_and_reap();
+      throw Interrupted();
     }
     if (stdout_buffer_.size() > kMaxResponseBytes) {
       return finish_killed(

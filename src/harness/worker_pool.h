@@ -5,8 +5,10 @@
 #include <sys/types.h>
 
 #include <chrono>
+#include <functional>
 #include <map>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -42,6 +44,20 @@ struct Outcome {
 
   bool ok() const { return kind == Kind::kOk; }
 };
+
+// Thrown by WorkerPool::request when the pool's interrupt test says so (a Ctrl-C): the worker was
+// killed and reaped, and the request has no outcome.
+struct Interrupted : std::runtime_error {
+  Interrupted() : std::runtime_error("interrupted") {}
+};
+
+// The environment variable a worker finds its parent's pid in (see die_with_parent).
+constexpr char kWorkerParentEnv[] = "KERNELGATE_WORKER_PARENT";
+
+// Called first by a worker program: the kernel kills this process when the process that started
+// it exits (a sweep killed by SIGTERM or SIGKILL leaves no worker behind), and if that already
+// happened between the spawn and this call, it exits at once. No-op outside a pool's worker.
+void die_with_parent();
 
 // "ok", "crashed", "timed out", "out of memory", "protocol error".
 std::string to_string(Outcome::Kind kind);
@@ -82,6 +98,10 @@ class WorkerPool {
   // in restarts().
   void retire();
 
+  // Tested between polls (at least every 20 ms) while a request waits; when it returns true the
+  // worker is killed and request() throws Interrupted.
+  void set_interrupt(std::function<bool()> interrupted) { interrupted_ = std::move(interrupted); }
+
   int restarts() const { return restarts_; }  // workers started to replace a lost one
   pid_t pid() const { return pid_; }          // the live worker's pid, or -1
 
@@ -104,6 +124,7 @@ class WorkerPool {
   pid_t pid_ = -1;
   int stdin_ = -1, stdout_ = -1, stderr_ = -1;  // our ends of the worker's pipes
   std::string stdout_buffer_, stderr_tail_;
+  std::function<bool()> interrupted_;
   int restarts_ = 0;
   bool lost_ = false;  // the last worker was lost, so the next spawn is a restart
 };

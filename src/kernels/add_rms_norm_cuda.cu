@@ -29,7 +29,8 @@ constexpr int kBwdMaxThreads = 256;      // registers: h, dy, dh and the dweight
 constexpr int kGeneralMaxThreads = 512;  // general kernels (both directions)
 
 // ---------------------------------------------------------------- forward
-template <class T, int VPT> __global__ void __launch_bounds__(kFwdMaxThreads, VPT >= 8 ? 1 : 2)
+template <class T, int VPT>
+__global__ void __launch_bounds__(kFwdMaxThreads, VPT >= 8 ? 1 : 2)
     add_rms_norm_fwd_row_in_registers(T* __restrict__ y, T* __restrict__ h,
                                       float* __restrict__ rstd, const T* __restrict__ x,
                                       const T* __restrict__ res, const T* __restrict__ weight,
@@ -92,7 +93,8 @@ template <class T, int VPT> __global__ void __launch_bounds__(kFwdMaxThreads, VP
 }
 
 // W > 1 needs the row-in-registers alignment (hidden % W == 0 included).
-template <class T, int W> __global__ void __launch_bounds__(kGeneralMaxThreads, 1)
+template <class T, int W>
+__global__ void __launch_bounds__(kGeneralMaxThreads, 1)
     add_rms_norm_fwd_general(T* __restrict__ y, T* __restrict__ h, float* __restrict__ rstd,
                              const T* __restrict__ x, const T* __restrict__ res,
                              const T* __restrict__ weight, int64_t rows, int64_t hidden,
@@ -148,7 +150,8 @@ template <class T, int W> __global__ void __launch_bounds__(kGeneralMaxThreads, 
 // columns), which leaves registers for the row.
 // Two blocks per SM at least when the row takes 4 vectors or fewer (x, dy and the sums fit in
 // 128 registers without spilling).
-template <class T, int VPT> __global__ void __launch_bounds__(kBwdMaxThreads, VPT >= 8 ? 1 : 2)
+template <class T, int VPT>
+__global__ void __launch_bounds__(kBwdMaxThreads, VPT >= 8 ? 1 : 2)
     add_rms_norm_bwd_row_in_registers(T* __restrict__ dx, float* __restrict__ dw_partial,
                                       const T* __restrict__ dy, const T* __restrict__ dh,
                                       const T* __restrict__ h, const T* __restrict__ weight,
@@ -180,7 +183,8 @@ template <class T, int VPT> __global__ void __launch_bounds__(kBwdMaxThreads, VP
     const bool valid = row < rows;
     const uint4* hr = reinterpret_cast<const uint4*>(h + row * h_stride);
     const uint4* dyr = reinterpret_cast<const uint4*>(dy + row * dy_stride);
-    const uint4* dhr = dh == nullptr ? nullptr : reinterpret_cast<const uint4*>(dh + row * dh_stride);
+    const uint4* dhr =
+        dh == nullptr ? nullptr : reinterpret_cast<const uint4*>(dh + row * dh_stride);
     // weight is re-read per row and pass (L1 hits) rather than held: registers go to the row.
     auto weight_vec = [&](int j, bool in) {
       return (in && weight != nullptr) ? wr[j] : ones_vec<T>();
@@ -256,7 +260,8 @@ template <class T, int VPT> __global__ void __launch_bounds__(kBwdMaxThreads, VP
 
 // Sums accumulate directly in the slot's workspace row (each column touched by one thread only;
 // the plan keeps the workspace within L2).
-template <class T, int W> __global__ void __launch_bounds__(kGeneralMaxThreads, 1)
+template <class T, int W>
+__global__ void __launch_bounds__(kGeneralMaxThreads, 1)
     add_rms_norm_bwd_general(T* __restrict__ dx, float* __restrict__ dw_partial,
                              const T* __restrict__ dy, const T* __restrict__ dh,
                              const T* __restrict__ h, const T* __restrict__ weight,
@@ -342,7 +347,8 @@ struct BwdPlan {
   size_t smem = 0;           // dynamic shared memory when dweight is wanted
 };
 
-template <class T> const void* bwd_kernel(const Layout& l) {
+template <class T>
+const void* bwd_kernel(const Layout& l) {
   constexpr int kN = Vec<T>::kN;
   switch (l.vpt) {
     case 1: return reinterpret_cast<const void*>(&add_rms_norm_bwd_row_in_registers<T, 1>);
@@ -378,8 +384,8 @@ inline BwdPlan bwd_plan(const AddRmsNormProblem& p, bool vectorized, int sm_coun
   });
   const int threads = l.tpr * l.rpb;
   const int max_per_sm = l.vpt != 0 ? kBwdThreadsPerSm / threads : 2048 / threads;
-  plan.blocks = persistent_blocks(kernel, threads, plan.smem, sm_count, max_per_sm,
-                                  ceil_div(p.rows, l.rpb));
+  plan.blocks =
+      persistent_blocks(kernel, threads, plan.smem, sm_count, max_per_sm, ceil_div(p.rows, l.rpb));
   // Partial rows per block: one on the register path (row slots combined), one per slot else.
   const int64_t slots = l.vpt != 0 ? 1 : l.rpb;
   const int64_t cap = l.vpt != 0 ? kMaxWorkspaceFloats : kL2SumsFloats;
@@ -389,8 +395,9 @@ inline BwdPlan bwd_plan(const AddRmsNormProblem& p, bool vectorized, int sm_coun
 }
 
 // ---------------------------------------------------------------- launchers
-template <class T> int launch_fwd(T* y, T* h, float* rstd, const T* x, const T* res, const T* w,
-                                  const AddRmsNormProblem& p, const Layout& l, cudaStream_t s) {
+template <class T>
+int launch_fwd(T* y, T* h, float* rstd, const T* x, const T* res, const T* w,
+               const AddRmsNormProblem& p, const Layout& l, cudaStream_t s) {
   constexpr int kN = Vec<T>::kN;
   const dim3 block(l.tpr, l.rpb);
   const unsigned grid = unsigned(std::min<int64_t>(ceil_div(p.rows, l.rpb), 1 << 30));
@@ -418,10 +425,10 @@ template <class T> int launch_fwd(T* y, T* h, float* rstd, const T* x, const T* 
   return int(cudaGetLastError());
 }
 
-template <class T> int launch_bwd(T* dx, T* dweight, const T* dy, const T* dh, const T* h,
-                                  const T* w, const float* rstd, float* workspace,
-                                  const AddRmsNormProblem& p, const BwdPlan& plan,
-                                  cudaStream_t s) {
+template <class T>
+int launch_bwd(T* dx, T* dweight, const T* dy, const T* dh, const T* h, const T* w,
+               const float* rstd, float* workspace, const AddRmsNormProblem& p, const BwdPlan& plan,
+               cudaStream_t s) {
   constexpr int kN = Vec<T>::kN;
   const Layout& l = plan.layout;
   float* partial = dweight != nullptr ? workspace : nullptr;
@@ -431,11 +438,11 @@ template <class T> int launch_bwd(T* dx, T* dweight, const T* dy, const T* dh, c
     const int nvec = int(p.hidden / kN);
     const size_t smem = partial != nullptr ? plan.smem : 0;
     switch (l.vpt) {
-#define KG_ADD_RMS_BWD_CASE(V)                                                              \
-  case V:                                                                                   \
-    add_rms_norm_bwd_row_in_registers<T, V><<<grid, block, smem, s>>>(                      \
-        dx, partial, dy, dh, h, w, rstd, p.rows, nvec, p.h_row_stride, p.dy_row_stride,     \
-        p.dh_row_stride);                                                                   \
+#define KG_ADD_RMS_BWD_CASE(V)                                                                    \
+  case V:                                                                                         \
+    add_rms_norm_bwd_row_in_registers<T, V>                                                       \
+        <<<grid, block, smem, s>>>(dx, partial, dy, dh, h, w, rstd, p.rows, nvec, p.h_row_stride, \
+                                   p.dy_row_stride, p.dh_row_stride);                             \
     break;
       KG_ADD_RMS_BWD_CASE(1)
       KG_ADD_RMS_BWD_CASE(2)
@@ -444,13 +451,13 @@ template <class T> int launch_bwd(T* dx, T* dweight, const T* dy, const T* dh, c
 #undef KG_ADD_RMS_BWD_CASE
       default:
         if (l.width == 1) {
-          add_rms_norm_bwd_general<T, 1><<<grid, block, 0, s>>>(
-              dx, partial, dy, dh, h, w, rstd, p.rows, p.hidden, p.h_row_stride, p.dy_row_stride,
-              p.dh_row_stride);
+          add_rms_norm_bwd_general<T, 1><<<grid, block, 0, s>>>(dx, partial, dy, dh, h, w, rstd,
+                                                                p.rows, p.hidden, p.h_row_stride,
+                                                                p.dy_row_stride, p.dh_row_stride);
         } else {
-          add_rms_norm_bwd_general<T, kN><<<grid, block, 0, s>>>(
-              dx, partial, dy, dh, h, w, rstd, p.rows, p.hidden, p.h_row_stride, p.dy_row_stride,
-              p.dh_row_stride);
+          add_rms_norm_bwd_general<T, kN><<<grid, block, 0, s>>>(dx, partial, dy, dh, h, w, rstd,
+                                                                 p.rows, p.hidden, p.h_row_stride,
+                                                                 p.dy_row_stride, p.dh_row_stride);
         }
     }
     if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return int(e);
@@ -471,8 +478,8 @@ int fwd(void* y, void* h, float* rstd, const void* x, const void* res, const voi
   if (p.rows == 0) return 0;
   if (y == nullptr || h == nullptr || x == nullptr || res == nullptr)
     return int(cudaErrorInvalidValue);
-  const bool aligned = aligned16(y) && aligned16(h) && aligned16(x) && aligned16(res) &&
-                       aligned16(weight);
+  const bool aligned =
+      aligned16(y) && aligned16(h) && aligned16(x) && aligned16(res) && aligned16(weight);
   const Layout l = fwd_layout(p, aligned);
   return dispatch_dtype(p.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
@@ -491,19 +498,19 @@ int64_t bwd_workspace_floats(const AddRmsNormProblem& p, int sm_count) {
   return rows * p.hidden;
 }
 
-int bwd(void* dx, void* dweight, const void* dy, const void* dh, const void* h,
-        const void* weight, const float* rstd, float* workspace, int sm_count,
-        const AddRmsNormProblem& p, void* stream) {
+int bwd(void* dx, void* dweight, const void* dy, const void* dh, const void* h, const void* weight,
+        const float* rstd, float* workspace, int sm_count, const AddRmsNormProblem& p,
+        void* stream) {
   if (!problem_ok(p)) return int(cudaErrorInvalidValue);
   if (p.rows == 0 && dweight == nullptr) return 0;
   if (p.rows > 0 && (dx == nullptr || dy == nullptr || h == nullptr || rstd == nullptr ||
                      (dweight != nullptr && workspace == nullptr)))
     return int(cudaErrorInvalidValue);
   const int n = vec_elems(p.dtype);
-  const bool vectorized =
-      p.hidden % n == 0 && p.h_row_stride % n == 0 && p.dy_row_stride % n == 0 &&
-      (dh == nullptr || p.dh_row_stride % n == 0) && aligned16(dx) && aligned16(dy) &&
-      aligned16(dh) && aligned16(h) && aligned16(weight) && aligned16(workspace);
+  const bool vectorized = p.hidden % n == 0 && p.h_row_stride % n == 0 &&
+                          p.dy_row_stride % n == 0 && (dh == nullptr || p.dh_row_stride % n == 0) &&
+                          aligned16(dx) && aligned16(dy) && aligned16(dh) && aligned16(h) &&
+                          aligned16(weight) && aligned16(workspace);
   const BwdPlan plan = p.rows > 0 ? bwd_plan(p, vectorized, sm_count) : BwdPlan{};
   return dispatch_dtype(p.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;

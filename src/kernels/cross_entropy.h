@@ -5,7 +5,8 @@
 //   ignored  (t == ignore_index):  loss 0, gradient row 0; the row is not read.
 //   in range (0 <= t < C):         lse  = log(sum_c exp(x[r,c]))
 //                                  loss = lse - (1 - e) x[r,t] - (e / C) sum_c x[r,c]
-//                                  d loss / d x[r,c] = softmax(x[r])[c] - (e / C) - (1 - e) [c == t]
+//                                  d loss / d x[r,c] = softmax(x[r])[c] - (e / C) - (1 - e) [c ==
+//                                  t]
 //   out of range (anything else):  loss NaN, gradient row NaN. The kernels never read outside
 //                                  the row; checking targets on the host would need a sync, so
 //                                  a bad target shows up as a NaN loss instead of an error.

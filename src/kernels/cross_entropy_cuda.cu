@@ -23,6 +23,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <climits>
 #include <cmath>
 #include <cstdint>
@@ -42,10 +43,12 @@ constexpr int kReduceThreads = 1024;
 
 // ---------------------------------------------------------------- element access
 // W elements as loaded: one T (W == 1) or a 16-byte vector of W elements.
-template <class T, int W> using Raw = std::conditional_t<W == 1, T, uint4>;
+template <class T, int W>
+using Raw = std::conditional_t<W == 1, T, uint4>;
 
 // Plain loads (no read-only cache path): the gradient pass may write the same buffer.
-template <class T, int W> __device__ __forceinline__ Raw<T, W> load(const T* p) {
+template <class T, int W>
+__device__ __forceinline__ Raw<T, W> load(const T* p) {
   if constexpr (W == 1) {
     return *p;
   } else {
@@ -53,7 +56,8 @@ template <class T, int W> __device__ __forceinline__ Raw<T, W> load(const T* p) 
   }
 }
 
-template <class T, int W> __device__ __forceinline__ void to_floats(const Raw<T, W>& r, float (&f)[W]) {
+template <class T, int W>
+__device__ __forceinline__ void to_floats(const Raw<T, W>& r, float (&f)[W]) {
   if constexpr (W == 1) {
     f[0] = to_float(r);
   } else {
@@ -61,7 +65,8 @@ template <class T, int W> __device__ __forceinline__ void to_floats(const Raw<T,
   }
 }
 
-template <class T, int W> __device__ __forceinline__ void store(T* p, const float (&f)[W]) {
+template <class T, int W>
+__device__ __forceinline__ void store(T* p, const float (&f)[W]) {
   if constexpr (W == 1) {
     *p = from_float<T>(f[0]);
   } else {
@@ -76,19 +81,29 @@ struct Stats {
   float sx;  // sum of x
 };
 
+// s carries NaN: any NaN logit makes it NaN. What exponents are taken against for a running max m: m itself, except that once a +inf has
+// been seen (m = +inf) finite values count exp(x - FLT_MAX) = 0 and each +inf exp(+inf) = +inf,
+// so s = +inf and lse = +inf (the loss of a +inf logit away from the target), where x - m would
+// make everything NaN.
+__device__ __forceinline__ float exp_base(float m) { return m == INFINITY ? FLT_MAX : m; }
+
 __device__ __forceinline__ Stats combine(const Stats& a, const Stats& b) {
-  const float m = fmaxf(a.m, b.m);
+  const float m = fmaxf(a.m, b.m), base = exp_base(m);
   // Both maxima -inf: every value seen is -inf; the sums are 0 (or NaN, kept).
-  const float s = m == -INFINITY ? a.s + b.s : a.s * __expf(a.m - m) + b.s * __expf(b.m - m);
+  const float s =
+      m == -INFINITY ? a.s + b.s : a.s * __expf(a.m - base) + b.s * __expf(b.m - base);
   return {m, s, a.sx + b.sx};
 }
 
 // Adds one value (head and tail elements).
 __device__ __forceinline__ void add_value(Stats& st, float v) {
   st.sx += v;
-  const float nm = fmaxf(st.m, v);
-  if (nm == -INFINITY) return;  // nothing but -inf so far: s stays as it is
-  st.s = st.s * __expf(st.m - nm) + __expf(v - nm);
+  const float nm = fmaxf(st.m, v), base = exp_base(nm);
+  if (nm == -INFINITY) {  // nothing but -inf (or NaN) so far: s stays as it is, or turns NaN
+    if (isnan(v)) st.s = NAN;
+    return;
+  }
+  st.s = st.s * __expf(st.m - base) + __expf(v - base);
   st.m = nm;
 }
 
@@ -110,16 +125,19 @@ __device__ __forceinline__ void add_accesses(Stats& st, const Raw<T, W> (&raw)[k
       st.sx += f[i];
     }
   }
-  const float nm = fmaxf(st.m, cm);
-  if (nm == -INFINITY) return;
-  float s = st.s * __expf(st.m - nm);
+  const float nm = fmaxf(st.m, cm), base = exp_base(nm);
+  if (nm == -INFINITY) {  // no +inf here, so a NaN sum of x means a NaN was seen
+    if (isnan(st.sx)) st.s = NAN;
+    return;
+  }
+  float s = st.s * __expf(st.m - base);
 #pragma unroll
   for (int k = 0; k < kUnroll; ++k) {
     if (!in[k]) continue;
     float f[W];
     to_floats<T, W>(raw[k], f);
 #pragma unroll
-    for (int i = 0; i < W; ++i) s += __expf(f[i] - nm);
+    for (int i = 0; i < W; ++i) s += __expf(f[i] - base);
   }
   st.s = s;
   st.m = nm;
@@ -150,7 +168,8 @@ __device__ __forceinline__ int64_t load_target(const void* target, bool int32, i
 }
 
 // Where the 16-byte vectors of a row start and how many there are (W == 1: all scalars).
-template <class T, int W> struct RowSplit {
+template <class T, int W>
+struct RowSplit {
   int head, nvec, tail_start, tail;
   __device__ __forceinline__ RowSplit(const T* row, int classes) {
     if constexpr (W == 1) {
@@ -171,7 +190,7 @@ template <class T, int W> struct RowSplit {
 // SM, which also keeps the rows in flight (132 x 256 KB at V = 128256 bf16) inside the L2 that
 // its second pass re-reads.
 template <class T, int W, bool kStats, bool kGrad>
-__global__ void __launch_bounds__(kMaxThreads, kStats && kGrad ? 1 : 2) ce_rows(const CeRowsArgs a) {
+__global__ void __launch_bounds__(kMaxThreads, kStats&& kGrad ? 1 : 2) ce_rows(const CeRowsArgs a) {
   static_assert(kStats || kGrad, "a launch computes something");
   __shared__ Stats red[kMaxThreads / 32];
   const int C = int(a.classes);
@@ -209,8 +228,9 @@ __global__ void __launch_bounds__(kMaxThreads, kStats && kGrad ? 1 : 2) ce_rows(
         // Read before block_stats' barriers: in place, the gradient pass overwrites x[t].
         const float xt = tid == 0 ? to_float(x[t]) : 0.f;
         st = block_stats(st, red);
-        // s >= 1 once the max is finite; an all -inf row gives -inf + log(0) = -inf.
-        lse = isnan(st.sx) ? NAN : st.m + __logf(st.s);
+        // s >= 1 once the max is finite; an all -inf row gives -inf + log(0) = -inf, a row with
+        // a +inf gives +inf. A NaN logit makes s NaN (the sum of x cannot tell: +inf + -inf).
+        lse = st.m + __logf(st.s);
         loss = lse - keep * xt;  // used by thread 0 only
         if (eps > 0.f) loss -= eps_c * st.sx;
       }
@@ -227,7 +247,8 @@ __global__ void __launch_bounds__(kMaxThreads, kStats && kGrad ? 1 : 2) ce_rows(
       float scale = ignored ? 0.f : NAN;
       if (in_range) {
         scale = 1.f;
-        if (a.dloss != nullptr) scale = to_float(static_cast<const T*>(a.dloss)[a.dloss_per_row ? row : 0]);
+        if (a.dloss != nullptr)
+          scale = to_float(static_cast<const T*>(a.dloss)[a.dloss_per_row ? row : 0]);
         if (a.n_valid != nullptr) scale = scale / *a.n_valid;
       }
       const float fill = ignored ? 0.f : NAN;
@@ -326,7 +347,8 @@ __global__ void __launch_bounds__(kReduceThreads)
 constexpr int kScaleThreads = 256;
 
 // 16-byte vectors over [0, nvec * kN), scalars over the rest; a grid-stride loop.
-template <class T> __global__ void __launch_bounds__(kScaleThreads)
+template <class T>
+__global__ void __launch_bounds__(kScaleThreads)
     scale_unless_one(T* __restrict__ data, int64_t n, const T* __restrict__ scale) {
   constexpr int kN = Vec<T>::kN;
   const float f = to_float(*scale);
@@ -343,7 +365,8 @@ template <class T> __global__ void __launch_bounds__(kScaleThreads)
     for (int k = 0; k < kN; ++k) v[k] *= f;
     dv[i] = pack<T>(v);
   }
-  for (int64_t i = nvec * kN + first; i < n; i += stride) data[i] = from_float<T>(to_float(data[i]) * f);
+  for (int64_t i = nvec * kN + first; i < n; i += stride)
+    data[i] = from_float<T>(to_float(data[i]) * f);
 }
 
 template <class T>
@@ -353,13 +376,14 @@ int launch_scale(void* data, int64_t n, const void* scale, int sm_count, cudaStr
   const int64_t want = (n / kN + kScaleThreads - 1) / kScaleThreads;
   const unsigned grid =
       unsigned(std::max<int64_t>(1, std::min<int64_t>(want, int64_t(std::max(1, sm_count)) * 8)));
-  scale_unless_one<T><<<grid, kScaleThreads, 0, s>>>(static_cast<T*>(data), n,
-                                                     static_cast<const T*>(scale));
+  scale_unless_one<T>
+      <<<grid, kScaleThreads, 0, s>>>(static_cast<T*>(data), n, static_cast<const T*>(scale));
   return int(cudaGetLastError());
 }
 
 // ---------------------------------------------------------------- launch
-template <class T, int W> int threads_for(int64_t classes) {
+template <class T, int W>
+int threads_for(int64_t classes) {
   const int64_t units = (classes + W - 1) / W;  // vectors (or scalars) per row
   const int64_t want = (units + kUnroll - 1) / kUnroll;
   int nt = 32;
@@ -367,14 +391,16 @@ template <class T, int W> int threads_for(int64_t classes) {
   return nt;
 }
 
-template <class T, int W, bool kStats, bool kGrad> int launch_rows(const CeRowsArgs& a, cudaStream_t s) {
+template <class T, int W, bool kStats, bool kGrad>
+int launch_rows(const CeRowsArgs& a, cudaStream_t s) {
   const int nt = threads_for<T, W>(a.classes);
   const unsigned grid = unsigned(std::min<int64_t>(a.rows, INT_MAX));
   ce_rows<T, W, kStats, kGrad><<<grid, nt, 0, s>>>(a);
   return int(cudaGetLastError());
 }
 
-template <class T> int launch_typed(const CeRowsArgs& a, cudaStream_t s) {
+template <class T>
+int launch_typed(const CeRowsArgs& a, cudaStream_t s) {
   constexpr int kN = Vec<T>::kN;
   const auto lp = reinterpret_cast<uintptr_t>(a.logits);
   const auto gp = reinterpret_cast<uintptr_t>(a.grad);
@@ -385,7 +411,8 @@ template <class T> int launch_typed(const CeRowsArgs& a, cudaStream_t s) {
       lp % 16 == gp % 16 &&
       (a.rows <= 1 || ((a.logits_row_stride - a.grad_row_stride) * int64_t(sizeof(T))) % 16 == 0);
   if (same_phase) {
-    return a.compute_stats ? launch_rows<T, kN, true, true>(a, s) : launch_rows<T, kN, false, true>(a, s);
+    return a.compute_stats ? launch_rows<T, kN, true, true>(a, s)
+                           : launch_rows<T, kN, false, true>(a, s);
   }
   if (a.compute_stats) {  // (not in place: the buffers differ) stats first, then the gradient
     if (int rc = launch_rows<T, kN, true, false>(a, s)) return rc;
@@ -420,7 +447,8 @@ int scale_unless_one_cuda(void* data, int64_t n, DType dtype, const void* scale,
   switch (dtype) {
     case DType::kFloat32: return ce_detail::launch_scale<float>(data, n, scale, sm_count, s);
     case DType::kFloat16: return ce_detail::launch_scale<__half>(data, n, scale, sm_count, s);
-    case DType::kBFloat16: return ce_detail::launch_scale<__nv_bfloat16>(data, n, scale, sm_count, s);
+    case DType::kBFloat16:
+      return ce_detail::launch_scale<__nv_bfloat16>(data, n, scale, sm_count, s);
   }
   return int(cudaErrorInvalidValue);
 }

@@ -60,7 +60,8 @@ __host__ __device__ __forceinline__ SigmoidPair sigmoid_pair(float z) {
 }
 
 // The forward uses only .a; the compiler drops the derivative there.
-template <GatedActivation A> __host__ __device__ __forceinline__ ActGrad act_grad(float g) {
+template <GatedActivation A>
+__host__ __device__ __forceinline__ ActGrad act_grad(float g) {
   if constexpr (A == GatedActivation::kSilu) {
     const SigmoidPair p = sigmoid_pair(g);
     return {g * p.s, p.s * (1.f + g * p.sm)};
@@ -79,13 +80,15 @@ template <GatedActivation A> __host__ __device__ __forceinline__ ActGrad act_gra
 }
 
 // Elementwise ops: kOut outputs from kIn inputs, destination first.
-template <GatedActivation A> struct GatedFwd {
+template <GatedActivation A>
+struct GatedFwd {
   static constexpr int kOut = 1, kIn = 2;  // out; gate, up
   __device__ __forceinline__ static void apply(float (&o)[kOut], const float (&x)[kIn]) {
     o[0] = act_grad<A>(x[0]).a * x[1];
   }
 };
-template <GatedActivation A> struct GatedBwd {
+template <GatedActivation A>
+struct GatedBwd {
   static constexpr int kOut = 2, kIn = 3;  // dgate, dup; dy, gate, up
   __device__ __forceinline__ static void apply(float (&o)[kOut], const float (&x)[kIn]) {
     const ActGrad r = act_grad<A>(x[1]);
@@ -98,12 +101,15 @@ template <GatedActivation A> struct GatedBwd {
 using vec::from_float;
 using vec::to_float;
 
-template <class T> constexpr int kVec = 16 / sizeof(T);  // elements per 16-byte vector
+template <class T>
+constexpr int kVec = 16 / sizeof(T);  // elements per 16-byte vector
 
 // W elements of T as loaded: one T (W == 1) or a 16-byte vector.
-template <class T, int W> using Raw = std::conditional_t<W == 1, T, uint4>;
+template <class T, int W>
+using Raw = std::conditional_t<W == 1, T, uint4>;
 
-template <class T, int W> __device__ __forceinline__ Raw<T, W> load(const T* p) {
+template <class T, int W>
+__device__ __forceinline__ Raw<T, W> load(const T* p) {
   if constexpr (W == 1) {
     return __ldg(p);
   } else {
@@ -120,7 +126,8 @@ __device__ __forceinline__ void unpack(const Raw<T, W>& v, float (&f)[W]) {
   }
 }
 
-template <class T, int W> __device__ __forceinline__ void store(T* p, const float (&f)[W]) {
+template <class T, int W>
+__device__ __forceinline__ void store(T* p, const float (&f)[W]) {
   if constexpr (W == 1) {
     *p = from_float<T>(f[0]);
   } else {
@@ -129,7 +136,8 @@ template <class T, int W> __device__ __forceinline__ void store(T* p, const floa
 }
 
 // ---------------------------------------------------------------- kernel
-template <class T, class Op> struct Tensors {
+template <class T, class Op>
+struct Tensors {
   T* out[Op::kOut];
   const T* in[Op::kIn];
 };
@@ -155,8 +163,8 @@ __device__ __forceinline__ void apply_store(const Tensors<T, Op>& t, int64_t a,
 }
 
 // W > 1 needs every pointer 16-byte aligned.
-template <class T, class Op, int W, int U> __global__ void __launch_bounds__(kThreads)
-    gated_grid_stride(Tensors<T, Op> t, int64_t n) {
+template <class T, class Op, int W, int U>
+__global__ void __launch_bounds__(kThreads) gated_grid_stride(Tensors<T, Op> t, int64_t n) {
   const int64_t accesses = n / W;
   const int64_t tile = int64_t(U) * kThreads;
   for (int64_t base = int64_t(blockIdx.x) * tile + threadIdx.x; base < accesses;
@@ -189,7 +197,8 @@ template <class T, class Op, int W, int U> __global__ void __launch_bounds__(kTh
 // ---------------------------------------------------------------- launch
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
-template <class T, class Op, int W> int launch(const Tensors<T, Op>& t, int64_t n, cudaStream_t s) {
+template <class T, class Op, int W>
+int launch(const Tensors<T, Op>& t, int64_t n, cudaStream_t s) {
   // 16-byte accesses: 2 per thread and a tile per block (the grid-stride loop runs once where
   // the grid allows): 100% of the copy bandwidth forward and backward for bf16 swiglu / geglu at
   // 16384 x 14336 on the H200, where 4 per thread in a grid capped at 32 blocks per SM reached

@@ -35,7 +35,7 @@ int layer_norm_fwd_cuda(void* y, float* mean, float* rstd, const void* x, const 
 // `workspace` holds layer_norm_bwd_cuda_workspace_floats(p, sm_count) floats.
 int64_t layer_norm_bwd_cuda_workspace_floats(const LayerNormProblem& p, int sm_count);
 int layer_norm_bwd_cuda(void* dx, void* dweight, void* dbias, const void* dy, const void* x,
-                        const void* weight, const float* mean, const float* rstd,
-                        float* workspace, int sm_count, const LayerNormProblem& p, void* stream);
+                        const void* weight, const float* mean, const float* rstd, float* workspace,
+                        int sm_count, const LayerNormProblem& p, void* stream);
 
 }  // namespace kernelgate::kernels

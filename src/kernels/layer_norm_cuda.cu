@@ -35,15 +35,16 @@ constexpr int kGeneralMaxThreads = 512;
 // corrected two-pass variance (Chan, Golub and LeVeque). The float32 first sum of a row whose mean
 // is far from 0 carries an absolute error of a few ulps of the row sum; sum d, taken over small
 // deviations, recovers it, so mean and variance are exact to rounding of the deviations.
-__device__ __forceinline__ void finish_stats(float mu0, float2 m, float inv_n, float eps,
-                                             float& mu, float& rs) {
+__device__ __forceinline__ void finish_stats(float mu0, float2 m, float inv_n, float eps, float& mu,
+                                             float& rs) {
   const float c = m.x * inv_n;
   mu = mu0 + c;
   const float var = m.y * inv_n - c * c;  // >= 0 up to rounding; NaN stays NaN (not fmaxf)
   rs = 1.f / sqrtf((var < 0.f ? 0.f : var) + eps);
 }
 
-template <class T, int VPT> __global__ void __launch_bounds__(kFwdMaxThreads, VPT >= 8 ? 1 : 2)
+template <class T, int VPT>
+__global__ void __launch_bounds__(kFwdMaxThreads, VPT >= 8 ? 1 : 2)
     layer_norm_fwd_row_in_registers(T* __restrict__ y, float* __restrict__ mean_out,
                                     float* __restrict__ rstd_out, const T* __restrict__ x,
                                     const T* __restrict__ weight, const T* __restrict__ bias,
@@ -116,7 +117,8 @@ template <class T, int VPT> __global__ void __launch_bounds__(kFwdMaxThreads, VP
 }
 
 // W > 1 needs the row-in-registers alignment (hidden % W == 0 included).
-template <class T, int W> __global__ void __launch_bounds__(kGeneralMaxThreads, 1)
+template <class T, int W>
+__global__ void __launch_bounds__(kGeneralMaxThreads, 1)
     layer_norm_fwd_general(T* __restrict__ y, float* __restrict__ mean_out,
                            float* __restrict__ rstd_out, const T* __restrict__ x,
                            const T* __restrict__ weight, const T* __restrict__ bias, int64_t rows,
@@ -187,7 +189,8 @@ template <class T, int W> __global__ void __launch_bounds__(kGeneralMaxThreads, 
 // memory (2 * hidden floats, each thread owning its columns), which leaves registers for the row.
 // Two blocks per SM at least when the row takes 4 vectors or fewer (x, dy and the sums fit in
 // 128 registers without spilling).
-template <class T, int VPT> __global__ void __launch_bounds__(kBwdMaxThreads, VPT >= 8 ? 1 : 2)
+template <class T, int VPT>
+__global__ void __launch_bounds__(kBwdMaxThreads, VPT >= 8 ? 1 : 2)
     layer_norm_bwd_row_in_registers(T* __restrict__ dx, float* __restrict__ dw_partial,
                                     float* __restrict__ db_partial, const T* __restrict__ dy,
                                     const T* __restrict__ x, const T* __restrict__ weight,
@@ -313,7 +316,8 @@ template <class T, int VPT> __global__ void __launch_bounds__(kBwdMaxThreads, VP
 
 // Sums accumulate directly in the slot's workspace rows (each column touched by one thread
 // only; the plan keeps the workspace within L2).
-template <class T, int W> __global__ void __launch_bounds__(kGeneralMaxThreads, 1)
+template <class T, int W>
+__global__ void __launch_bounds__(kGeneralMaxThreads, 1)
     layer_norm_bwd_general(T* __restrict__ dx, float* __restrict__ dw_partial,
                            float* __restrict__ db_partial, const T* __restrict__ dy,
                            const T* __restrict__ x, const T* __restrict__ weight,
@@ -408,7 +412,8 @@ struct BwdPlan {
   size_t smem = 0;           // dynamic shared memory when sums are wanted
 };
 
-template <class T> const void* bwd_kernel(const Layout& l) {
+template <class T>
+const void* bwd_kernel(const Layout& l) {
   constexpr int kN = Vec<T>::kN;
   switch (l.vpt) {
     case 1: return reinterpret_cast<const void*>(&layer_norm_bwd_row_in_registers<T, 1>);
@@ -444,8 +449,8 @@ inline BwdPlan bwd_plan(const LayerNormProblem& p, bool vectorized, int sm_count
   });
   const int threads = l.tpr * l.rpb;
   const int max_per_sm = l.vpt != 0 ? kBwdThreadsPerSm / threads : 2048 / threads;
-  plan.blocks = persistent_blocks(kernel, threads, plan.smem, sm_count, max_per_sm,
-                                  ceil_div(p.rows, l.rpb));
+  plan.blocks =
+      persistent_blocks(kernel, threads, plan.smem, sm_count, max_per_sm, ceil_div(p.rows, l.rpb));
   // Partial rows per block: one on the register path (row slots combined), one per slot else.
   const int64_t slots = l.vpt != 0 ? 1 : l.rpb;
   const int64_t cap = l.vpt != 0 ? kMaxWorkspaceFloats : kL2SumsFloats;
@@ -455,17 +460,17 @@ inline BwdPlan bwd_plan(const LayerNormProblem& p, bool vectorized, int sm_count
 }
 
 // ---------------------------------------------------------------- launchers
-template <class T> int launch_fwd(T* y, float* mean, float* rstd, const T* x, const T* w,
-                                  const T* b, const LayerNormProblem& p, const Layout& l,
-                                  cudaStream_t s) {
+template <class T>
+int launch_fwd(T* y, float* mean, float* rstd, const T* x, const T* w, const T* b,
+               const LayerNormProblem& p, const Layout& l, cudaStream_t s) {
   constexpr int kN = Vec<T>::kN;
   const dim3 block(l.tpr, l.rpb);
   const unsigned grid = unsigned(std::min<int64_t>(ceil_div(p.rows, l.rpb), 1 << 30));
   const int nvec = int(p.hidden / kN);
   switch (l.vpt) {
-#define KG_LN_FWD_CASE(V)                                                                   \
-  case V:                                                                                   \
-    layer_norm_fwd_row_in_registers<T, V>                                                   \
+#define KG_LN_FWD_CASE(V)                                                                     \
+  case V:                                                                                     \
+    layer_norm_fwd_row_in_registers<T, V>                                                     \
         <<<grid, block, 0, s>>>(y, mean, rstd, x, w, b, p.rows, nvec, p.x_row_stride, p.eps); \
     break;
     KG_LN_FWD_CASE(1)
@@ -485,10 +490,10 @@ template <class T> int launch_fwd(T* y, float* mean, float* rstd, const T* x, co
   return int(cudaGetLastError());
 }
 
-template <class T> int launch_bwd(T* dx, T* dweight, T* dbias, const T* dy, const T* x,
-                                  const T* w, const float* mean, const float* rstd,
-                                  float* workspace, const LayerNormProblem& p,
-                                  const BwdPlan& plan, cudaStream_t s) {
+template <class T>
+int launch_bwd(T* dx, T* dweight, T* dbias, const T* dy, const T* x, const T* w, const float* mean,
+               const float* rstd, float* workspace, const LayerNormProblem& p, const BwdPlan& plan,
+               cudaStream_t s) {
   constexpr int kN = Vec<T>::kN;
   const Layout& l = plan.layout;
   const int64_t array_floats = plan.partial_rows * p.hidden;
@@ -500,11 +505,11 @@ template <class T> int launch_bwd(T* dx, T* dweight, T* dbias, const T* dy, cons
     const int nvec = int(p.hidden / kN);
     const size_t smem = (dw_partial != nullptr || db_partial != nullptr) ? plan.smem : 0;
     switch (l.vpt) {
-#define KG_LN_BWD_CASE(V)                                                                  \
-  case V:                                                                                  \
-    layer_norm_bwd_row_in_registers<T, V><<<grid, block, smem, s>>>(                       \
-        dx, dw_partial, db_partial, dy, x, w, mean, rstd, p.rows, nvec, p.x_row_stride,    \
-        p.dy_row_stride);                                                                  \
+#define KG_LN_BWD_CASE(V)                                                                          \
+  case V:                                                                                          \
+    layer_norm_bwd_row_in_registers<T, V>                                                          \
+        <<<grid, block, smem, s>>>(dx, dw_partial, db_partial, dy, x, w, mean, rstd, p.rows, nvec, \
+                                   p.x_row_stride, p.dy_row_stride);                               \
     break;
       KG_LN_BWD_CASE(1)
       KG_LN_BWD_CASE(2)
@@ -513,13 +518,13 @@ template <class T> int launch_bwd(T* dx, T* dweight, T* dbias, const T* dy, cons
 #undef KG_LN_BWD_CASE
       default:
         if (l.width == 1) {
-          layer_norm_bwd_general<T, 1><<<grid, block, 0, s>>>(
-              dx, dw_partial, db_partial, dy, x, w, mean, rstd, p.rows, p.hidden, p.x_row_stride,
-              p.dy_row_stride);
+          layer_norm_bwd_general<T, 1><<<grid, block, 0, s>>>(dx, dw_partial, db_partial, dy, x, w,
+                                                              mean, rstd, p.rows, p.hidden,
+                                                              p.x_row_stride, p.dy_row_stride);
         } else {
-          layer_norm_bwd_general<T, kN><<<grid, block, 0, s>>>(
-              dx, dw_partial, db_partial, dy, x, w, mean, rstd, p.rows, p.hidden, p.x_row_stride,
-              p.dy_row_stride);
+          layer_norm_bwd_general<T, kN><<<grid, block, 0, s>>>(dx, dw_partial, db_partial, dy, x, w,
+                                                               mean, rstd, p.rows, p.hidden,
+                                                               p.x_row_stride, p.dy_row_stride);
         }
     }
     if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return int(e);
@@ -529,8 +534,8 @@ template <class T> int launch_bwd(T* dx, T* dweight, T* dbias, const T* dy, cons
   if (dweight != nullptr)
     sum_partial_rows<T><<<cols, dim3(32, 32), 0, s>>>(dweight, workspace, prows, p.hidden);
   if (dbias != nullptr)
-    sum_partial_rows<T><<<cols, dim3(32, 32), 0, s>>>(dbias, workspace + array_floats, prows,
-                                                      p.hidden);
+    sum_partial_rows<T>
+        <<<cols, dim3(32, 32), 0, s>>>(dbias, workspace + array_floats, prows, p.hidden);
   return int(cudaGetLastError());
 }
 
@@ -595,10 +600,10 @@ int64_t layer_norm_bwd_cuda_workspace_floats(const LayerNormProblem& p, int sm_c
 }
 
 int layer_norm_bwd_cuda(void* dx, void* dweight, void* dbias, const void* dy, const void* x,
-                        const void* weight, const float* mean, const float* rstd,
-                        float* workspace, int sm_count, const LayerNormProblem& p, void* stream) {
-  return layer_norm_detail::bwd(dx, dweight, dbias, dy, x, weight, mean, rstd, workspace,
-                                sm_count, p, stream);
+                        const void* weight, const float* mean, const float* rstd, float* workspace,
+                        int sm_count, const LayerNormProblem& p, void* stream) {
+  return layer_norm_detail::bwd(dx, dweight, dbias, dy, x, weight, mean, rstd, workspace, sm_count,
+                                p, stream);
 }
 
 }  // namespace kernelgate::kernels

@@ -63,21 +63,24 @@ __device__ __forceinline__ float2 row_sum2(float a, float b, float2* red) {
 }
 
 // v rounded to T and back: what a tensor of dtype T holds after storing v.
-template <class T> __device__ __forceinline__ float round_to(float v) {
+template <class T>
+__device__ __forceinline__ float round_to(float v) {
   return to_float(from_float<T>(v));
 }
 
 // Bits of a 16-byte vector whose every element is 1 (or 0) in T: a missing weight (bias) costs
 // nothing in the loops.
-template <class T> __device__ __forceinline__ uint4 ones_vec() {
-  constexpr uint32_t k = sizeof(T) == 4 ? 0x3f800000u
+template <class T>
+__device__ __forceinline__ uint4 ones_vec() {
+  constexpr uint32_t k = sizeof(T) == 4              ? 0x3f800000u
                          : std::is_same_v<T, __half> ? 0x3c003c00u
                                                      : 0x3f803f80u;
   return make_uint4(k, k, k, k);
 }
 
 // W elements at p: one scalar (W == 1) or one 16-byte vector (W == Vec<T>::kN).
-template <class T, int W> __device__ __forceinline__ void load_elems(const T* p, float (&f)[W]) {
+template <class T, int W>
+__device__ __forceinline__ void load_elems(const T* p, float (&f)[W]) {
   if constexpr (W == 1) {
     f[0] = to_float(*p);
   } else {
@@ -94,7 +97,8 @@ __device__ __forceinline__ void load_or(const T* v, int64_t c, float fill, float
     for (int i = 0; i < W; ++i) f[i] = fill;
   }
 }
-template <class T, int W> __device__ __forceinline__ void store_elems(T* p, const float (&f)[W]) {
+template <class T, int W>
+__device__ __forceinline__ void store_elems(T* p, const float (&f)[W]) {
   if constexpr (W == 1) {
     *p = from_float<T>(f[0]);
   } else {
@@ -102,7 +106,8 @@ template <class T, int W> __device__ __forceinline__ void store_elems(T* p, cons
   }
 }
 // float32 sums of W columns (W a multiple of 4 travels as float4).
-template <int W> __device__ __forceinline__ void add_sums(float* p, const float (&f)[W]) {
+template <int W>
+__device__ __forceinline__ void add_sums(float* p, const float (&f)[W]) {
   if constexpr (W % 4 == 0) {
 #pragma unroll
     for (int i = 0; i < W; i += 4) {
@@ -114,7 +119,8 @@ template <int W> __device__ __forceinline__ void add_sums(float* p, const float 
     for (int i = 0; i < W; ++i) p[i] += f[i];
   }
 }
-template <int W> __device__ __forceinline__ void store_sums(float* p, const float (&f)[W]) {
+template <int W>
+__device__ __forceinline__ void store_sums(float* p, const float (&f)[W]) {
   if constexpr (W % 4 == 0) {
 #pragma unroll
     for (int i = 0; i < W; i += 4)
@@ -159,9 +165,10 @@ __device__ __forceinline__ void combine_row_slots(float (&acc)[VPT][kN], float* 
 // out[c] = sum over partial rows p of partial[p * hidden + c], in a fixed order (deterministic for
 // a given launch plan). A block covers 32 columns; its 32 thread rows each sum a strided subset.
 // partial_rows == 0 writes zeros.
-template <class T> __global__ void __launch_bounds__(1024)
-    sum_partial_rows(T* __restrict__ out, const float* __restrict__ partial,
-                     int64_t partial_rows, int64_t hidden) {
+template <class T>
+__global__ void __launch_bounds__(1024)
+    sum_partial_rows(T* __restrict__ out, const float* __restrict__ partial, int64_t partial_rows,
+                     int64_t hidden) {
   __shared__ float part[32][33];
   const int64_t c = int64_t(blockIdx.x) * 32 + threadIdx.x;
   float s = 0.f;
@@ -216,8 +223,12 @@ inline Layout general_layout(int64_t hidden, int width, int max_threads, int min
   return {0, width, tpr, rows_per_block(tpr, min_block)};
 }
 
-template <class T> struct Tag { using type = T; };
-template <class F> int dispatch_dtype(DType t, F&& f) {
+template <class T>
+struct Tag {
+  using type = T;
+};
+template <class F>
+int dispatch_dtype(DType t, F&& f) {
   switch (t) {
     case DType::kFloat32: return f(Tag<float>{});
     case DType::kFloat16: return f(Tag<__half>{});

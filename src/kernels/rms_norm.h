@@ -31,8 +31,8 @@ int rms_norm_fwd_cuda(void* y, float* rstd, const void* x, const void* weight,
 // `workspace` holds rms_norm_bwd_cuda_workspace_floats(p, sm_count) floats (partial dweight sums).
 int64_t rms_norm_bwd_cuda_workspace_floats(const RmsNormProblem& p, int sm_count);
 int rms_norm_bwd_cuda(void* dx, void* dweight, const void* dy, const void* x, const void* weight,
-                      const float* rstd, float* workspace, int sm_count,
-                      const RmsNormProblem& p, void* stream);
+                      const float* rstd, float* workspace, int sm_count, const RmsNormProblem& p,
+                      void* stream);
 
 // CPU versions process rows [row_begin, row_end) so the caller can split rows across threads.
 void rms_norm_fwd_cpu(void* y, float* rstd, const void* x, const void* weight,

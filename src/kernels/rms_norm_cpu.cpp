@@ -51,10 +51,15 @@ inline float to_float(Half v) {
   return bits_to_float(sign | mag);
 }
 
-template <class T> T from_float(float f);
-template <> inline float from_float<float>(float f) { return f; }
+template <class T>
+T from_float(float f);
+template <>
+inline float from_float<float>(float f) {
+  return f;
+}
 // Round to nearest even; NaN stays NaN (quiet bit set, sign kept); overflow rounds to inf.
-template <> inline Bf16 from_float<Bf16>(float f) {
+template <>
+inline Bf16 from_float<Bf16>(float f) {
   const uint32_t u = float_to_bits(f);
   if ((u & 0x7fffffffu) > 0x7f800000u) return {uint16_t((u >> 16) | 0x40u)};
   return {uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16)};
@@ -63,7 +68,8 @@ template <> inline Bf16 from_float<Bf16>(float f) {
 // past the fp16 range to inf; adding a power of two aligned to the result's exponent makes
 // the FPU round the mantissa to 10 bits. Both products are exact, so contraction into an
 // fma cannot change the result.
-template <> inline Half from_float<Half>(float f) {
+template <>
+inline Half from_float<Half>(float f) {
   float base = (std::fabs(f) * 0x1.0p+112f) * 0x1.0p-110f;
   const uint32_t w = float_to_bits(f);
   const uint32_t shl1_w = w + w;
@@ -76,10 +82,12 @@ template <> inline Half from_float<Half>(float f) {
   return {uint16_t((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign))};
 }
 
-template <class T> inline void load(float* dst, const T* src, int64_t n) {
+template <class T>
+inline void load(float* dst, const T* src, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
 }
-template <class T> inline void load_weight(float* dst, const T* w, int64_t n) {
+template <class T>
+inline void load_weight(float* dst, const T* w, int64_t n) {
   if (w == nullptr) {
     std::fill(dst, dst + n, 1.f);
   } else {

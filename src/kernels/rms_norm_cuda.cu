@@ -53,7 +53,8 @@ __device__ __forceinline__ float row_sum(float v, float* red) {
 }
 
 // ---------------------------------------------------------------- forward kernels
-template <class T, int VPT> __global__ void __launch_bounds__(VPT >= 8 ? 512 : kFwdMaxThreads)
+template <class T, int VPT>
+__global__ void __launch_bounds__(VPT >= 8 ? 512 : kFwdMaxThreads)
     rms_norm_fwd_row_in_registers(T* __restrict__ y, float* __restrict__ rstd,
                                   const T* __restrict__ x, const T* __restrict__ weight,
                                   int64_t rows, int nvec, int64_t x_stride, float eps) {
@@ -107,7 +108,8 @@ template <class T, int VPT> __global__ void __launch_bounds__(VPT >= 8 ? 512 : k
 }
 
 // W elements at p: one scalar (W == 1) or one 16-byte vector (W == Vec<T>::kN).
-template <class T, int W> __device__ __forceinline__ void load_elems(const T* p, float (&f)[W]) {
+template <class T, int W>
+__device__ __forceinline__ void load_elems(const T* p, float (&f)[W]) {
   if constexpr (W == 1) {
     f[0] = to_float(*p);
   } else {
@@ -123,7 +125,8 @@ __device__ __forceinline__ void load_weight(const T* w, int64_t c, float (&f)[W]
     for (int i = 0; i < W; ++i) f[i] = 1.f;
   }
 }
-template <class T, int W> __device__ __forceinline__ void store_elems(T* p, const float (&f)[W]) {
+template <class T, int W>
+__device__ __forceinline__ void store_elems(T* p, const float (&f)[W]) {
   if constexpr (W == 1) {
     *p = from_float<T>(f[0]);
   } else {
@@ -133,7 +136,8 @@ template <class T, int W> __device__ __forceinline__ void store_elems(T* p, cons
 
 // W > 1 needs the row-in-registers alignment (hidden % W == 0 included); the second pass
 // re-reads the row, mostly from L2.
-template <class T, int W> __global__ void __launch_bounds__(kFwdMaxThreads)
+template <class T, int W>
+__global__ void __launch_bounds__(kFwdMaxThreads)
     rms_norm_fwd_two_pass(T* __restrict__ y, float* __restrict__ rstd, const T* __restrict__ x,
                           const T* __restrict__ weight, int64_t rows, int64_t hidden,
                           int64_t x_stride, float eps) {
@@ -179,7 +183,8 @@ template <class T, int W> __global__ void __launch_bounds__(kFwdMaxThreads)
 // dynamic shared memory ((rows per block / 2) * hidden floats) at the end; VPT == 8 is only
 // launched with one row per block and keeps them in dynamic shared memory (hidden floats),
 // which leaves registers for eight vectors of x and dy.
-template <class T, int VPT> __global__ void __launch_bounds__(kBwdMaxThreads, 1)
+template <class T, int VPT>
+__global__ void __launch_bounds__(kBwdMaxThreads, 1)
     rms_norm_bwd_row_in_registers(T* __restrict__ dx, float* __restrict__ dw_partial,
                                   const T* __restrict__ dy, const T* __restrict__ x,
                                   const T* __restrict__ weight, const float* __restrict__ rstd,
@@ -321,7 +326,8 @@ template <class T, int VPT> __global__ void __launch_bounds__(kBwdMaxThreads, 1)
 
 // W float sums at p (shared or global memory), as 16-byte accesses when W > 1: a thread's W
 // sums are contiguous, and scalar accesses would touch W times the sectors per warp.
-template <int W> __device__ __forceinline__ void load_sums(const float* p, float (&a)[W]) {
+template <int W>
+__device__ __forceinline__ void load_sums(const float* p, float (&a)[W]) {
 #pragma unroll
   for (int i = 0; i < W; i += (W > 1 ? 4 : 1)) {
     if constexpr (W == 1) {
@@ -332,7 +338,8 @@ template <int W> __device__ __forceinline__ void load_sums(const float* p, float
     }
   }
 }
-template <int W> __device__ __forceinline__ void store_sums(float* p, const float (&a)[W]) {
+template <int W>
+__device__ __forceinline__ void store_sums(float* p, const float (&a)[W]) {
 #pragma unroll
   for (int i = 0; i < W; i += (W > 1 ? 4 : 1)) {
     if constexpr (W == 1) {
@@ -346,7 +353,8 @@ template <int W> __device__ __forceinline__ void store_sums(float* p, const floa
 // Each row slot (blockIdx.x * blockDim.y + threadIdx.y) owns workspace row `slot`; its sums
 // live in dynamic shared memory (rows per block * hidden floats) when sums_in_smem, else
 // directly in that workspace row. Each column is only touched by one thread: no barriers.
-template <class T, int W> __global__ void __launch_bounds__(kFwdMaxThreads)
+template <class T, int W>
+__global__ void __launch_bounds__(kFwdMaxThreads)
     rms_norm_bwd_two_pass(T* __restrict__ dx, float* __restrict__ dw_partial,
                           const T* __restrict__ dy, const T* __restrict__ x,
                           const T* __restrict__ weight, const float* __restrict__ rstd,
@@ -421,7 +429,8 @@ template <class T, int W> __global__ void __launch_bounds__(kFwdMaxThreads)
 
 // dweight[c] = sum over partial rows p of partial[p, c], in a fixed order. A block covers 32
 // columns; its 32 thread rows each sum a strided subset of the partial rows.
-template <class T> __global__ void __launch_bounds__(1024)
+template <class T>
+__global__ void __launch_bounds__(1024)
     rms_norm_bwd_sum_partials(T* __restrict__ dweight, const float* __restrict__ partial,
                               int64_t partial_rows, int64_t hidden) {
   __shared__ float part[32][33];
@@ -460,8 +469,9 @@ inline int rows_per_block(int tpr, int min_block) { return std::max(1, min_block
 
 // Row in registers: `pref_vpt` vectors per thread, doubled while the row needs more threads
 // than max_threads(vpt); vpt == 0 when the row does not fit.
-template <class MaxThreads> inline Layout registers_layout(int64_t nvec, int pref_vpt, int max_vpt,
-                                                           MaxThreads max_threads, int min_block) {
+template <class MaxThreads>
+inline Layout registers_layout(int64_t nvec, int pref_vpt, int max_vpt, MaxThreads max_threads,
+                               int min_block) {
   int vpt = pref_vpt;
   while (vpt > 1 && vpt / 2 >= nvec) vpt /= 2;
   while (vpt <= max_vpt && ceil_div(nvec, vpt) > max_threads(vpt)) vpt *= 2;
@@ -478,8 +488,12 @@ inline Layout two_pass_layout(int64_t hidden, int width) {
   return {0, width, tpr, rows_per_block(tpr, 256)};
 }
 
-template <class T> struct Tag { using type = T; };
-template <class F> int dispatch_dtype(DType t, F&& f) {
+template <class T>
+struct Tag {
+  using type = T;
+};
+template <class F>
+int dispatch_dtype(DType t, F&& f) {
   switch (t) {
     case DType::kFloat32: return f(Tag<float>{});
     case DType::kFloat16: return f(Tag<__half>{});
@@ -543,7 +557,8 @@ struct BwdPlan {
   size_t smem = 0;           // dynamic shared memory (only used when dweight is wanted)
 };
 
-template <class T> const void* bwd_kernel(const Layout& l) {
+template <class T>
+const void* bwd_kernel(const Layout& l) {
   constexpr int kN = Vec<T>::kN;
   switch (l.vpt) {
     case 1: return reinterpret_cast<const void*>(&rms_norm_bwd_row_in_registers<T, 1>);
@@ -596,9 +611,8 @@ inline BwdPlan bwd_plan(const RmsNormProblem& p, bool vectorized, int sm_count, 
   int occ = 0;
   // The opt-in covers dynamic + static shared memory: set it whenever dynamic memory is used
   // (48 KiB of dynamic memory plus the kernel's static buffers already needs it).
-  if ((plan.smem == 0 ||
-       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(plan.smem)) ==
-           cudaSuccess) &&
+  if ((plan.smem == 0 || cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                              int(plan.smem)) == cudaSuccess) &&
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kernel, threads, plan.smem) ==
           cudaSuccess &&
       occ > 0) {
@@ -616,8 +630,9 @@ inline BwdPlan bwd_plan(const RmsNormProblem& p, bool vectorized, int sm_count, 
 }
 
 // ---------------------------------------------------------------- launchers
-template <class T> int launch_fwd(T* y, float* rstd, const T* x, const T* w,
-                                  const RmsNormProblem& p, const Layout& l, cudaStream_t s) {
+template <class T>
+int launch_fwd(T* y, float* rstd, const T* x, const T* w, const RmsNormProblem& p, const Layout& l,
+               cudaStream_t s) {
   constexpr int kN = Vec<T>::kN;
   const dim3 block(l.tpr, l.rpb);
   const unsigned grid = unsigned(std::min<int64_t>(ceil_div(p.rows, l.rpb), 1 << 30));
@@ -646,9 +661,9 @@ template <class T> int launch_fwd(T* y, float* rstd, const T* x, const T* w,
   return int(cudaGetLastError());
 }
 
-template <class T> int launch_bwd(T* dx, T* dweight, const T* dy, const T* x, const T* w,
-                                  const float* rstd, float* workspace, const RmsNormProblem& p,
-                                  const BwdPlan& plan, cudaStream_t s) {
+template <class T>
+int launch_bwd(T* dx, T* dweight, const T* dy, const T* x, const T* w, const float* rstd,
+               float* workspace, const RmsNormProblem& p, const BwdPlan& plan, cudaStream_t s) {
   constexpr int kN = Vec<T>::kN;
   const Layout& l = plan.layout;
   float* partial = dweight != nullptr ? workspace : nullptr;

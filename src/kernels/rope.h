@@ -53,11 +53,11 @@ int qk_norm_rope_fwd_cuda(void* q_out, void* k_out, float* q_rstd, float* k_rstd
 // qk_norm_rope_bwd_workspace_floats(p, sm_count) floats and the sums are reduced in a fixed
 // order (deterministic for a given problem, sm_count and device).
 int64_t qk_norm_rope_bwd_workspace_floats(const RopeProblem& p, int sm_count);
-int qk_norm_rope_bwd_cuda(void* dq, void* dk, void* dq_weight, void* dk_weight,
-                          const void* dq_out, const void* dk_out, const void* xq,
-                          const void* xk, const RopeStrides& xq_s, const RopeStrides& xk_s,
-                          const void* q_weight, const void* k_weight, const float* q_rstd,
-                          const float* k_rstd, const void* cos, const void* sin,
-                          float* workspace, int sm_count, const RopeProblem& p, void* stream);
+int qk_norm_rope_bwd_cuda(void* dq, void* dk, void* dq_weight, void* dk_weight, const void* dq_out,
+                          const void* dk_out, const void* xq, const void* xk,
+                          const RopeStrides& xq_s, const RopeStrides& xk_s, const void* q_weight,
+                          const void* k_weight, const float* q_rstd, const float* k_rstd,
+                          const void* cos, const void* sin, float* workspace, int sm_count,
+                          const RopeProblem& p, void* stream);
 
 }  // namespace kernelgate::kernels

@@ -37,33 +37,39 @@ constexpr int kBwdBlocksPerSm = 8;
 constexpr size_t kBwdMaxSmem = 48 * 1024;  // no opt-in needed
 
 // W elements of T: one T (W == 1) or a 16-byte vector, as loaded (unconverted).
-template <class T, int W> using Raw = std::conditional_t<W == 1, T, uint4>;
+template <class T, int W>
+using Raw = std::conditional_t<W == 1, T, uint4>;
 
-template <class T, int W> __device__ __forceinline__ Raw<T, W> load_raw(const T* p) {
+template <class T, int W>
+__device__ __forceinline__ Raw<T, W> load_raw(const T* p) {
   if constexpr (W == 1) {
     return __ldg(p);
   } else {
     return __ldg(reinterpret_cast<const uint4*>(p));
   }
 }
-template <class T, int W> __device__ __forceinline__ void to_floats(const Raw<T, W>& v, float (&f)[W]) {
+template <class T, int W>
+__device__ __forceinline__ void to_floats(const Raw<T, W>& v, float (&f)[W]) {
   if constexpr (W == 1) {
     f[0] = to_float(v);
   } else {
     unpack<T>(v, f);
   }
 }
-template <class T, int W> __device__ __forceinline__ void load(const T* p, float (&f)[W]) {
+template <class T, int W>
+__device__ __forceinline__ void load(const T* p, float (&f)[W]) {
   to_floats<T, W>(load_raw<T, W>(p), f);
 }
-template <class T, int W> __device__ __forceinline__ void store_raw(T* p, const Raw<T, W>& v) {
+template <class T, int W>
+__device__ __forceinline__ void store_raw(T* p, const Raw<T, W>& v) {
   if constexpr (W == 1) {
     *p = v;
   } else {
     *reinterpret_cast<uint4*>(p) = v;
   }
 }
-template <class T, int W> __device__ __forceinline__ void store(T* p, const float (&f)[W]) {
+template <class T, int W>
+__device__ __forceinline__ void store(T* p, const float (&f)[W]) {
   if constexpr (W == 1) {
     *p = from_float<T>(f[0]);
   } else {
@@ -96,12 +102,17 @@ __device__ __forceinline__ uint32_t word_of(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
 __device__ __forceinline__ void set_word(uint4& v, int i, uint32_t w) {
-  if (i == 0) v.x = w;
-  else if (i == 1) v.y = w;
-  else if (i == 2) v.z = w;
-  else v.w = w;
+  if (i == 0)
+    v.x = w;
+  else if (i == 1)
+    v.y = w;
+  else if (i == 2)
+    v.z = w;
+  else
+    v.w = w;
 }
-template <class T> __device__ __forceinline__ float2 word_floats(uint32_t w) {
+template <class T>
+__device__ __forceinline__ float2 word_floats(uint32_t w) {
   if constexpr (sizeof(T) == 4) {
     return make_float2(__uint_as_float(w), 0.f);
   } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
@@ -112,7 +123,8 @@ template <class T> __device__ __forceinline__ float2 word_floats(uint32_t w) {
     return __half22float2(h);
   }
 }
-template <class T> __device__ __forceinline__ uint32_t float_word(float2 f) {
+template <class T>
+__device__ __forceinline__ uint32_t float_word(float2 f) {
   uint32_t w;
   if constexpr (sizeof(T) == 4) {
     w = __float_as_uint(f.x);
@@ -153,7 +165,8 @@ __device__ __forceinline__ void rotate_raw(Raw<T, W>& lo, Raw<T, W>& hi, const R
   }
 }
 
-template <class T> struct Operands {
+template <class T>
+struct Operands {
   T* q_out;
   T* k_out;
   const T* q;
@@ -180,8 +193,8 @@ __device__ __forceinline__ P* row_ptr(P* q, P* k, const RopeStrides& qs, const R
 // so an SM holds enough warps, and loads in flight, to keep HBM busy (a loop-per-position form
 // needed 110-136 registers and reached 70% of the copy bandwidth on the H200; this one 89-90%).
 constexpr int kRopeThreads = 256;
-constexpr int kRopeRowsPerBlock = 8;   // general path
-constexpr int kRopeRowsPerBlock32 = 2; // 32-bit path
+constexpr int kRopeRowsPerBlock = 8;    // general path
+constexpr int kRopeRowsPerBlock32 = 2;  // 32-bit path
 constexpr int64_t kMaxGridY = 65535;
 
 template <class T, int W, bool kBwd>
@@ -233,7 +246,8 @@ __global__ void __launch_bounds__(kRopeThreads)
   const int h = int(p.head_dim) / 2, seq = int(p.seq), q_heads = int(p.q_heads);
   const int b = pos / seq, s = pos - b * seq;
   const int d = threadIdx.x * W;
-  const int co = b * int(p.cos_sb) + s * int(p.cos_ss) + d, so = b * int(p.sin_sb) + s * int(p.sin_ss) + d;
+  const int co = b * int(p.cos_sb) + s * int(p.cos_ss) + d,
+            so = b * int(p.sin_sb) + s * int(p.sin_ss) + d;
   const Raw<T, W> clo = load_raw<T, W>(t.cos + co), chi = load_raw<T, W>(t.cos + co + h);
   const Raw<T, W> slo = load_raw<T, W>(t.sin + so), shi = load_raw<T, W>(t.sin + so + h);
 #pragma unroll
@@ -265,7 +279,8 @@ __device__ __forceinline__ float lane_group_sum(float v) {
   return v;
 }
 
-template <class T> struct NormOperands {
+template <class T>
+struct NormOperands {
   Operands<T> o;  // forward: outputs, inputs; backward: dx, output gradients
   const T* q_weight;
   const T* k_weight;
@@ -278,8 +293,8 @@ template <class T> struct NormOperands {
   float* partial;  // [gridDim.x, 2, head_dim] or null: weight gradients not wanted
 };
 
-__device__ __forceinline__ int64_t rstd_index(const RopeProblem& p, int64_t b, int64_t s,
-                                              int64_t r, bool is_q) {
+__device__ __forceinline__ int64_t rstd_index(const RopeProblem& p, int64_t b, int64_t s, int64_t r,
+                                              bool is_q) {
   return is_q ? (b * p.q_heads + r) * p.seq + s : (b * p.kv_heads + (r - p.q_heads)) * p.seq + s;
 }
 
@@ -287,7 +302,8 @@ __device__ __forceinline__ int64_t rstd_index(const RopeProblem& p, int64_t b, i
 // whether its row exists), so the group shuffles are always converged.
 template <class T, int W, bool kOnePass>
 __global__ void __launch_bounds__(kMaxThreads)
-    qk_norm_rope_fwd_rows(NormOperands<T> t, RopeProblem p, int64_t positions, int nlanes, float eps) {
+    qk_norm_rope_fwd_rows(NormOperands<T> t, RopeProblem p, int64_t positions, int nlanes,
+                          float eps) {
   const int64_t h = p.head_dim / 2, rows = p.q_heads + p.kv_heads;
   const float inv_d = 1.f / float(p.head_dim);
   const int64_t iters = (rows + blockDim.y - 1) / blockDim.y;
@@ -464,8 +480,12 @@ inline int next_pow2(int64_t n) {
   return t;
 }
 
-template <class T> struct Tag { using type = T; };
-template <class F> int dispatch_dtype(DType t, F&& f) {
+template <class T>
+struct Tag {
+  using type = T;
+};
+template <class F>
+int dispatch_dtype(DType t, F&& f) {
   switch (t) {
     case DType::kFloat32: return f(Tag<float>{});
     case DType::kFloat16: return f(Tag<__half>{});
@@ -508,8 +528,10 @@ inline bool offsets_fit_int32(const RopeProblem& p) {
                           p.k_out.sb >= 0 && p.k_out.sh >= 0 && p.k_out.ss >= 0 && p.cos_sb >= 0 &&
                           p.cos_ss >= 0 && p.sin_sb >= 0 && p.sin_ss >= 0;
   return strides_ok && p.batch * p.seq < lim && p.q_heads + p.kv_heads < lim &&
-         span(p.q, std::max<int64_t>(p.q_heads, 1)) < lim && span(p.q_out, std::max<int64_t>(p.q_heads, 1)) < lim &&
-         span(p.k, std::max<int64_t>(p.kv_heads, 1)) < lim && span(p.k_out, std::max<int64_t>(p.kv_heads, 1)) < lim &&
+         span(p.q, std::max<int64_t>(p.q_heads, 1)) < lim &&
+         span(p.q_out, std::max<int64_t>(p.q_heads, 1)) < lim &&
+         span(p.k, std::max<int64_t>(p.kv_heads, 1)) < lim &&
+         span(p.k_out, std::max<int64_t>(p.kv_heads, 1)) < lim &&
          (p.batch - 1) * p.cos_sb + (p.seq - 1) * p.cos_ss + p.head_dim < lim &&
          (p.batch - 1) * p.sin_sb + (p.seq - 1) * p.sin_ss + p.head_dim < lim;
 }
@@ -525,12 +547,14 @@ int launch_rope(const Operands<T>& t, const RopeProblem& p, cudaStream_t stream)
   if constexpr (W > 1) {
     if (nlanes <= 32 && ceil_div(rows, R32) <= kMaxGridY && ceil_div(positions, ty) <= kMaxGrid &&
         offsets_fit_int32(p)) {
-      rope_rows32<T, W, kBwd, R32><<<dim3(grid_x, unsigned(ceil_div(rows, R32))), dim3(tx, ty), 0, stream>>>(
-          t, p, int(positions), int(rows));
+      rope_rows32<T, W, kBwd, R32>
+          <<<dim3(grid_x, unsigned(ceil_div(rows, R32))), dim3(tx, ty), 0, stream>>>(
+              t, p, int(positions), int(rows));
       return int(cudaGetLastError());
     }
   }
-  const unsigned grid_y = unsigned(std::clamp<int64_t>(ceil_div(rows, kRopeRowsPerBlock), 1, kMaxGridY));
+  const unsigned grid_y =
+      unsigned(std::clamp<int64_t>(ceil_div(rows, kRopeRowsPerBlock), 1, kMaxGridY));
   rope_rows<T, W, kBwd><<<dim3(grid_x, grid_y), dim3(tx, ty), 0, stream>>>(t, p, positions, nlanes);
   return int(cudaGetLastError());
 }
@@ -551,7 +575,8 @@ inline NormLayout norm_layout(const RopeProblem& p, bool vec, int64_t max_ty) {
   l.tx = l.one_pass ? next_pow2(l.nlanes) : 32;
   const int64_t rows = std::max<int64_t>(1, p.q_heads + p.kv_heads);
   const int64_t quantum = 32 / l.tx;  // row groups per warp
-  const int64_t cap = std::max<int64_t>(quantum, std::min<int64_t>(kMaxThreads / l.tx, max_ty) / quantum * quantum);
+  const int64_t cap =
+      std::max<int64_t>(quantum, std::min<int64_t>(kMaxThreads / l.tx, max_ty) / quantum * quantum);
   // As few iterations over the rows as the cap allows, spread evenly.
   const int64_t iters = ceil_div(rows, cap);
   l.ty = int(std::min<int64_t>(cap, ceil_div(ceil_div(rows, iters), quantum) * quantum));
@@ -632,11 +657,12 @@ int rope_cuda(void* q_out, void* k_out, const void* q, const void* k, const void
   return dispatch_dtype(p.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
     constexpr int kN = Vec<T>::kN;
-    const Operands<T> t{static_cast<T*>(q_out),      static_cast<T*>(k_out),
-                        static_cast<const T*>(q),    static_cast<const T*>(k),
-                        static_cast<const T*>(cos),  static_cast<const T*>(sin)};
+    const Operands<T> t{static_cast<T*>(q_out),     static_cast<T*>(k_out),
+                        static_cast<const T*>(q),   static_cast<const T*>(k),
+                        static_cast<const T*>(cos), static_cast<const T*>(sin)};
     const cudaStream_t s = static_cast<cudaStream_t>(stream);
-    if (vec) return backward ? launch_rope<T, kN, true>(t, p, s) : launch_rope<T, kN, false>(t, p, s);
+    if (vec)
+      return backward ? launch_rope<T, kN, true>(t, p, s) : launch_rope<T, kN, false>(t, p, s);
     return backward ? launch_rope<T, 1, true>(t, p, s) : launch_rope<T, 1, false>(t, p, s);
   });
 }
@@ -655,8 +681,8 @@ int qk_norm_rope_fwd_cuda(void* q_out, void* k_out, float* q_rstd, float* k_rstd
   return dispatch_dtype(p.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
     NormOperands<T> t{};
-    t.o = {static_cast<T*>(q_out),     static_cast<T*>(k_out),     static_cast<const T*>(q),
-           static_cast<const T*>(k),   static_cast<const T*>(cos), static_cast<const T*>(sin)};
+    t.o = {static_cast<T*>(q_out),   static_cast<T*>(k_out),     static_cast<const T*>(q),
+           static_cast<const T*>(k), static_cast<const T*>(cos), static_cast<const T*>(sin)};
     t.q_weight = static_cast<const T*>(q_weight);
     t.k_weight = static_cast<const T*>(k_weight);
     t.q_rstd = q_rstd;
@@ -670,32 +696,30 @@ int64_t qk_norm_rope_bwd_workspace_floats(const RopeProblem& p, int sm_count) {
   return bwd_blocks(p, sm_count) * 2 * p.head_dim;
 }
 
-int qk_norm_rope_bwd_cuda(void* dq, void* dk, void* dq_weight, void* dk_weight,
-                          const void* dq_out, const void* dk_out, const void* xq,
-                          const void* xk, const RopeStrides& xq_s, const RopeStrides& xk_s,
-                          const void* q_weight, const void* k_weight, const float* q_rstd,
-                          const float* k_rstd, const void* cos, const void* sin,
-                          float* workspace, int sm_count, const RopeProblem& p, void* stream) {
+int qk_norm_rope_bwd_cuda(void* dq, void* dk, void* dq_weight, void* dk_weight, const void* dq_out,
+                          const void* dk_out, const void* xq, const void* xk,
+                          const RopeStrides& xq_s, const RopeStrides& xk_s, const void* q_weight,
+                          const void* k_weight, const float* q_rstd, const float* k_rstd,
+                          const void* cos, const void* sin, float* workspace, int sm_count,
+                          const RopeProblem& p, void* stream) {
   if (!problem_ok(p)) return int(cudaErrorInvalidValue);
   const bool want_dw = dq_weight != nullptr || dk_weight != nullptr;
   const int64_t positions = positions_of(p);
   if ((positions == 0 || p.q_heads + p.kv_heads == 0) && !want_dw) return 0;
   if (want_dw && workspace == nullptr) return int(cudaErrorInvalidValue);
-  if (positions > 0 &&
-      ((p.q_heads > 0 && (dq == nullptr || dq_out == nullptr || xq == nullptr ||
-                          q_weight == nullptr || q_rstd == nullptr)) ||
-       (p.kv_heads > 0 && (dk == nullptr || dk_out == nullptr || xk == nullptr ||
-                           k_weight == nullptr || k_rstd == nullptr)) ||
-       cos == nullptr || sin == nullptr))
+  if (positions > 0 && ((p.q_heads > 0 && (dq == nullptr || dq_out == nullptr || xq == nullptr ||
+                                           q_weight == nullptr || q_rstd == nullptr)) ||
+                        (p.kv_heads > 0 && (dk == nullptr || dk_out == nullptr || xk == nullptr ||
+                                            k_weight == nullptr || k_rstd == nullptr)) ||
+                        cos == nullptr || sin == nullptr))
     return int(cudaErrorInvalidValue);
-  const bool vec = vectorizable(p, {dq, dk, dq_out, dk_out, xq, xk, q_weight, k_weight, cos, sin},
-                                {xq_s, xk_s});
+  const bool vec =
+      vectorizable(p, {dq, dk, dq_out, dk_out, xq, xk, q_weight, k_weight, cos, sin}, {xq_s, xk_s});
   return dispatch_dtype(p.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
     NormOperands<T> t{};
-    t.o = {static_cast<T*>(dq),           static_cast<T*>(dk),
-           static_cast<const T*>(dq_out), static_cast<const T*>(dk_out),
-           static_cast<const T*>(cos),    static_cast<const T*>(sin)};
+    t.o = {static_cast<T*>(dq),           static_cast<T*>(dk),        static_cast<const T*>(dq_out),
+           static_cast<const T*>(dk_out), static_cast<const T*>(cos), static_cast<const T*>(sin)};
     t.q_weight = static_cast<const T*>(q_weight);
     t.k_weight = static_cast<const T*>(k_weight);
     t.q_rstd = const_cast<float*>(q_rstd);
@@ -705,8 +729,8 @@ int qk_norm_rope_bwd_cuda(void* dq, void* dk, void* dq_weight, void* dk_weight,
     t.xq_s = xq_s;
     t.xk_s = xk_s;
     t.partial = want_dw ? workspace : nullptr;
-    return bwd_norm<T>(t, static_cast<T*>(dq_weight), static_cast<T*>(dk_weight), p, vec,
-                       sm_count, static_cast<cudaStream_t>(stream));
+    return bwd_norm<T>(t, static_cast<T*>(dq_weight), static_cast<T*>(dk_weight), p, vec, sm_count,
+                       static_cast<cudaStream_t>(stream));
   });
 }
 

@@ -14,19 +14,29 @@ __device__ __forceinline__ float to_float(float v) { return v; }
 __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
 
-template <class T> __device__ __forceinline__ T from_float(float v);
-template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
-template <> __device__ __forceinline__ __half from_float<__half>(float v) {
+template <class T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ float from_float<float>(float v) {
+  return v;
+}
+template <>
+__device__ __forceinline__ __half from_float<__half>(float v) {
   return __float2half_rn(v);
 }
-template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
   return __float2bfloat16_rn(v);
 }
 
 // A 16-byte vector of T travels as uint4; these unpack it to / pack it from kN floats.
-template <class T> struct Vec { static constexpr int kN = 16 / sizeof(T); };
+template <class T>
+struct Vec {
+  static constexpr int kN = 16 / sizeof(T);
+};
 
-template <class T> __device__ __forceinline__ void unpack(const uint4& v, float (&f)[Vec<T>::kN]) {
+template <class T>
+__device__ __forceinline__ void unpack(const uint4& v, float (&f)[Vec<T>::kN]) {
   const uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -45,7 +55,8 @@ template <class T> __device__ __forceinline__ void unpack(const uint4& v, float 
   }
 }
 
-template <class T> __device__ __forceinline__ uint4 pack(const float (&f)[Vec<T>::kN]) {
+template <class T>
+__device__ __forceinline__ uint4 pack(const float (&f)[Vec<T>::kN]) {
   uint32_t w[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i) {

@@ -1,13 +1,9 @@
 // add_rms_norm: h = x + residual (in x's dtype), y = rms_norm(h) * weight; returns (y, h).
-// Contract, backends (reference, kernelgate_cuda), routers and the TORCH_LIBRARY impls
-// (CPU/CUDA router, Meta, Autograd).
+// Contract, reference and backends (reference, kernelgate_cuda).
 #include <ATen/ATen.h>
-#include <torch/autograd.h>
-#include <torch/library.h>
 
 #include <cmath>
 
-#include "kernelgate/dispatch.h"
 #include "kernelgate/kernelgate.h"
 #include "kernels/add_rms_norm.h"
 #include "ops/op_util.h"
@@ -16,28 +12,17 @@ namespace kernelgate {
 namespace {
 
 using at::Tensor;
-using OptTensor = std::optional<Tensor>;
-using Fwd = std::tuple<Tensor, Tensor, Tensor> (*)(const Tensor& x, const Tensor& residual,
-                                                   const OptTensor& weight, double eps,
-                                                   bool want_rstd);
+using Triple = std::tuple<Tensor, Tensor, Tensor>;
+// A backend's backward proper: (dx, dweight) from both output gradients, dy defined.
 using Bwd = std::tuple<Tensor, Tensor> (*)(const Tensor& dy, const OptTensor& dh, const Tensor& h,
                                            const OptTensor& weight, const Tensor& rstd,
                                            bool weight_grad);
-struct Impl {
-  Fwd fwd = nullptr;
-  Bwd bwd = nullptr;
-};
-
-OpId g_op = kNoOp;
-std::array<Impl, kMaxBackends> g_impls;
 
 Tensor rstd_shape_like(const Tensor& x) {
   auto sizes = x.sizes().vec();
   sizes.pop_back();
   return at::empty(sizes, x.options().dtype(at::kFloat));
 }
-
-Tensor no_dweight(const Tensor& x) { return at::empty({0}, x.options()); }
 
 Tensor in_dtype(const Tensor& t, at::ScalarType s) { return t.scalar_type() == s ? t : t.to(s); }
 
@@ -61,23 +46,23 @@ std::tuple<Tensor, Tensor> add_rms_norm_reference_op(const Tensor& x, const Tens
   return {y, h};
 }
 
-std::tuple<Tensor, Tensor, Tensor> reference_fwd(const Tensor& x, const Tensor& residual,
-                                                 const OptTensor& w, double eps, bool) {
+// Forwards return (y, h, rstd); rstd (float32, x.shape[:-1]) only when gradients are needed.
+Triple reference_fwd(const Tensor& x, const Tensor& residual, const OptTensor& w, double eps,
+                     GradRequest) {
   auto [y, h, rstd] = reference_math(x, residual, w, eps);
   // Dense outputs, as the Meta impl promises (x + residual follows a strided x's layout).
   return {y.contiguous(), h.contiguous(), rstd.to(at::kFloat)};
 }
 
 std::tuple<Tensor, Tensor> reference_bwd(const Tensor& dy, const OptTensor& dh, const Tensor& h,
-                                         const OptTensor& w, const Tensor& rstd,
-                                         bool weight_grad) {
+                                         const OptTensor& w, const Tensor& rstd, bool weight_grad) {
   Tensor hf = h.to(at::kFloat), dyf = dy.to(at::kFloat);
   Tensor r = rstd.unsqueeze(-1);
   Tensor hhat = hf * r;
   Tensor g = w ? dyf * w->to(at::kFloat) : dyf;
   Tensor dx = r * (g - hhat * (g * hhat).mean(-1, /*keepdim=*/true));
   if (dh) dx = dx + dh->to(at::kFloat);
-  Tensor dw = no_dweight(h);
+  Tensor dw = Tensor();
   if (weight_grad && w) dw = (dyf * hhat).reshape({-1, h.size(-1)}).sum(0).to(w->scalar_type());
   return {dx.to(h.scalar_type()).contiguous(), dw};
 }
@@ -85,8 +70,9 @@ std::tuple<Tensor, Tensor> reference_bwd(const Tensor& dy, const OptTensor& dh, 
 // ---- kernelgate_cuda: our CUDA kernels.
 
 #ifdef KERNELGATE_WITH_CUDA
-std::tuple<Tensor, Tensor, Tensor> cuda_fwd(const Tensor& x, const Tensor& residual,
-                                            const OptTensor& w, double eps, bool want_rstd) {
+Triple cuda_fwd(const Tensor& x, const Tensor& residual, const OptTensor& w, double eps,
+                GradRequest need) {
+  const bool want_rstd = need.any();
   CudaContext ctx(x);
   RowView xv = row_view(x), rv = row_view(residual);
   Tensor wc = w ? w->contiguous() : Tensor();
@@ -117,7 +103,7 @@ std::tuple<Tensor, Tensor> cuda_bwd(const Tensor& dy, const OptTensor& dh, const
   Tensor rc = rstd.contiguous();
   const bool want_dw = weight_grad && w.has_value();
   Tensor dx = at::empty(h.sizes(), h.options().memory_format(at::MemoryFormat::Contiguous));
-  Tensor dw = want_dw ? at::empty_like(wc) : no_dweight(h);
+  Tensor dw = want_dw ? at::empty_like(wc) : Tensor();
   kernels::AddRmsNormProblem p;
   p.rows = hv.rows;
   p.hidden = h.size(-1);
@@ -139,175 +125,41 @@ std::tuple<Tensor, Tensor> cuda_bwd(const Tensor& dy, const OptTensor& dh, const
 }
 
 Support cuda_can_implement(const CallView& call) {
-  const Tensor& x = *call.tensors[0];
-  if (!x.is_cuda()) return Support::no("x is not on a CUDA device");
-  if (cuda_arch(x.get_device()) < 80) return Support::no("needs compute capability 8.0 or newer");
-  return Support::yes();
+  return cuda_sm80(call, "x is not on a CUDA device");
 }
 #endif
 
-// ---- routers --------------------------------------------------------------------------------
+// ---- the backward every backend shares: both output gradients may be absent (optional_grads)
 
-CallView make_call(const Tensor& x, const Tensor& residual, const OptTensor& w, bool grad) {
-  CallView call;
-  call.num_tensors = 3;
-  call.tensors[0] = &x;
-  call.tensors[1] = &residual;
-  call.tensors[2] = w ? &*w : nullptr;
-  call.grad = grad;
-  return call;
+// (dx, dweight): dy flows through the norm, dh straight into x and residual, which share one
+// gradient (shared_grads).
+template <Bwd B>
+std::tuple<Tensor, Tensor> backward(const OptTensor& dy, const OptTensor& dh, const Tensor& h,
+                                    const OptTensor& w, const Tensor& rstd, double,
+                                    GradRequest need) {
+  const bool need_dw = need(2) && w.has_value();
+  if (!dy) {  // only h was used downstream
+    return {dh->contiguous(), need_dw ? at::zeros_like(*w) : Tensor()};
+  }
+  return B(*dy, dh, h, w, rstd, need_dw);
 }
-
-const OpContract& contract() { return Dispatcher::get().op(g_op).contract; }
 
 // What the named dims cannot say: residual has x's exact shape, hidden >= 1, a sane eps.
-BoundDims check_args(const Tensor& x, const Tensor& residual, const OptTensor& w, double eps,
-                     bool grad) {
-  BoundDims dims = check_call(contract(), make_call(x, residual, w, grad));
+void check_args(const Tensor& x, const Tensor& residual, const OptTensor&, double eps) {
   TORCH_CHECK(residual.sizes() == x.sizes(), "add_rms_norm: residual must have the shape of x (",
               x.sizes(), "), got ", residual.sizes());
-  TORCH_CHECK(x.size(-1) > 0,
-              "add_rms_norm: x.size(-1) (hidden) must be at least 1, got 0 (shape ", x.sizes(),
-              ")");
+  TORCH_CHECK(x.size(-1) > 0, "add_rms_norm: x.size(-1) (hidden) must be at least 1, got 0 (shape ",
+              x.sizes(), ")");
   TORCH_CHECK(std::isfinite(eps) && eps >= 0,
               "add_rms_norm: eps must be a finite number >= 0, got ", number(eps));
-  return dims;
 }
 
-int route(const Tensor& x, const Tensor& residual, const OptTensor& w, double eps, bool grad) {
-  BoundDims dims = check_args(x, residual, w, eps, grad);
-  return Dispatcher::get().select(g_op, make_call(x, residual, w, grad), dims);
-}
-
-std::tuple<Tensor, Tensor> add_rms_norm_router(const Tensor& x, const Tensor& residual,
-                                               const OptTensor& w, double eps) {
-  int b = route(x, residual, w, eps, /*grad=*/false);
-  auto [y, h, rstd] = g_impls[b].fwd(x, residual, w, eps, /*want_rstd=*/false);
-  return {y, h};
-}
-
-std::tuple<Tensor, Tensor, Tensor> add_rms_norm_fwd_router(const Tensor& x,
-                                                           const Tensor& residual,
-                                                           const OptTensor& w, double eps) {
-  int b = route(x, residual, w, eps, /*grad=*/true);
-  return g_impls[b].fwd(x, residual, w, eps, /*want_rstd=*/true);
-}
-
-std::tuple<Tensor, Tensor> add_rms_norm_bwd_router(const Tensor& dy, const OptTensor& dh,
-                                                   const Tensor& h, const OptTensor& w,
-                                                   const Tensor& rstd, bool weight_grad) {
-  TORCH_CHECK(dy.sizes() == h.sizes() && dy.scalar_type() == h.scalar_type(),
-              "add_rms_norm backward: grad_y must have the shape and dtype of h (", h.sizes(),
-              ", ", h.scalar_type(), "), got ", dy.sizes(), ", ", dy.scalar_type());
-  TORCH_CHECK(!dh || (dh->sizes() == h.sizes() && dh->scalar_type() == h.scalar_type()),
-              "add_rms_norm backward: grad_h must have the shape and dtype of h");
-  // The forward's key: x and residual have h's shape and dtype.
-  int b = route(h, h, w, 0.0, /*grad=*/true);
-  return g_impls[b].bwd(dy, dh, h, w, rstd, weight_grad);
-}
-
-// ---- Meta: shapes only, same checks.
-
-std::tuple<Tensor, Tensor> add_rms_norm_meta(const Tensor& x, const Tensor& residual,
-                                             const OptTensor& w, double eps) {
-  check_args(x, residual, w, eps, false);
+Triple meta(const Tensor& x, const Tensor&, const OptTensor&, double) {
   return {at::empty_like(x, at::MemoryFormat::Contiguous),
-          at::empty_like(x, at::MemoryFormat::Contiguous)};
+          at::empty_like(x, at::MemoryFormat::Contiguous), rstd_shape_like(x)};
 }
 
-std::tuple<Tensor, Tensor, Tensor> add_rms_norm_fwd_meta(const Tensor& x, const Tensor& residual,
-                                                         const OptTensor& w, double eps) {
-  auto [y, h] = add_rms_norm_meta(x, residual, w, eps);
-  return {y, h, rstd_shape_like(x)};
-}
-
-std::tuple<Tensor, Tensor> add_rms_norm_bwd_meta(const Tensor& dy, const OptTensor& dh,
-                                                 const Tensor& h, const OptTensor& w,
-                                                 const Tensor& rstd, bool weight_grad) {
-  Tensor dw = weight_grad && w ? at::empty_like(*w, at::MemoryFormat::Contiguous) : no_dweight(h);
-  return {at::empty_like(h, at::MemoryFormat::Contiguous), dw};
-}
-
-// ---- Autograd: the forward and backward both go through the routers above.
-
-auto& fwd_handle() {
-  static auto h = c10::Dispatcher::singleton()
-                      .findSchemaOrThrow("kernelgate::_add_rms_norm_fwd", "")
-                      .typed<std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&,
-                                                                const OptTensor&, double)>();
-  return h;
-}
-
-auto& bwd_handle() {
-  static auto h =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("kernelgate::_add_rms_norm_bwd", "")
-          .typed<std::tuple<Tensor, Tensor>(const Tensor&, const OptTensor&, const Tensor&,
-                                            const OptTensor&, const Tensor&, bool)>();
-  return h;
-}
-
-auto& op_handle() {
-  static auto h = c10::Dispatcher::singleton()
-                      .findSchemaOrThrow("kernelgate::add_rms_norm", "")
-                      .typed<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&,
-                                                        const OptTensor&, double)>();
-  return h;
-}
-
-class AddRmsNormFunction : public torch::autograd::Function<AddRmsNormFunction> {
- public:
-  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
-                                                const Tensor& x, const Tensor& residual,
-                                                const OptTensor& w, double eps) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    auto [y, h, rstd] = fwd_handle().call(x, residual, w, eps);
-    ctx->save_for_backward({h, w.value_or(Tensor()), rstd});
-    ctx->saved_data["has_weight"] = w.has_value();
-    return {y, h};
-  }
-
-  // Both outputs may carry cotangents: dy flows through the norm, dh straight into x and
-  // residual, which share one gradient.
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    const Tensor &dy = grads[0], &dh = grads[1];
-    if (!dy.defined() && !dh.defined()) return {Tensor(), Tensor(), Tensor(), Tensor()};
-    auto saved = ctx->get_saved_variables();
-    const bool has_w = ctx->saved_data["has_weight"].toBool();
-    const bool need_dw = has_w && ctx->needs_input_grad(2);
-    OptTensor w = has_w ? OptTensor(saved[1]) : std::nullopt;
-    Tensor dx, dw;
-    if (!dy.defined()) {  // only h was used downstream
-      dx = dh;
-      if (need_dw) dw = at::zeros_like(saved[1]);
-    } else {
-      std::tie(dx, dw) =
-          bwd_handle().call(dy, dh.defined() ? OptTensor(dh) : std::nullopt, saved[0], w,
-                            saved[2], need_dw);
-    }
-    return {ctx->needs_input_grad(0) ? dx : Tensor(), ctx->needs_input_grad(1) ? dx : Tensor(),
-            need_dw ? dw : Tensor(), Tensor()};
-  }
-};
-
-std::tuple<Tensor, Tensor> add_rms_norm_autograd(c10::DispatchKeySet ks, const Tensor& x,
-                                                 const Tensor& residual, const OptTensor& w,
-                                                 double eps) {
-  const bool needs_grad =
-      at::GradMode::is_enabled() &&
-      (x.requires_grad() || residual.requires_grad() || (w && w->requires_grad()));
-  if (!needs_grad) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    return op_handle().redispatch(ks & c10::after_ADInplaceOrView_keyset, x, residual, w, eps);
-  }
-  auto out = AddRmsNormFunction::apply(x, residual, w, eps);
-  return {out[0], out[1]};
-}
-
-}  // namespace
-
-OpContract add_rms_norm_contract() {
+OpContract contract() {
   OpContract c;
   c.name = "add_rms_norm";
   c.source_stem = "add_rms_norm,norm_rows";
@@ -323,70 +175,39 @@ OpContract add_rms_norm_contract() {
       c.production_shapes.push_back({{"rows", rows}, {"hidden", hidden}});
     }
   }
+  c.outputs = {"y", "h"};
+  c.extras = {"rstd"};
+  // The backward needs h, not x and residual: x and residual have h's shape and dtype.
+  c.saved = {"h", "weight", "rstd"};
+  c.backward_stand_ins = {{"x", "h"}, {"residual", "h"}};
+  c.shared_grads = {{"residual", "x"}};
+  c.optional_grads = true;
   return c;
 }
 
-void define_add_rms_norm(torch::Library& m) {
-  m.def(torch::schema(add_rms_norm_contract().schema.c_str()));
-  m.def(
-      "_add_rms_norm_reference(Tensor x, Tensor residual, Tensor? weight=None, float eps=1e-06)"
-      " -> (Tensor, Tensor)");
-  m.def(
-      "_add_rms_norm_fwd(Tensor x, Tensor residual, Tensor? weight, float eps)"
-      " -> (Tensor, Tensor, Tensor)");
-  m.def(
-      "_add_rms_norm_bwd(Tensor grad_y, Tensor? grad_h, Tensor h, Tensor? weight, Tensor rstd,"
-      " bool weight_grad) -> (Tensor, Tensor)");
-}
-
-void register_add_rms_norm(Dispatcher& d) {
-  g_op = d.add_op(add_rms_norm_contract(),
-                  BackendDesc{"reference", BackendKind::kReference, nullptr, nullptr});
-  g_impls[0] = {reference_fwd, reference_bwd};
-  // Typed entries first: the router may pick the backend as soon as it is published.
-  const size_t index = d.op(g_op).backends.size();
+const OpId kOp =
+    OpDeclaration(contract())
+        .reference(add_rms_norm_reference_op)
+        .meta(meta)
+        .check(check_args)
+        .backend("reference", BackendKind::kReference, reference_fwd, backward<reference_bwd>)
 #ifdef KERNELGATE_WITH_CUDA
-  g_impls[index] = {cuda_fwd, cuda_bwd};
-  d.add_backend(g_op, {"kernelgate_cuda", BackendKind::kKernelgate, cuda_available,
-                       cuda_can_implement});
+        .backend("kernelgate_cuda", BackendKind::kKernelgate, cuda_fwd, backward<cuda_bwd>,
+                 cuda_can_implement, cuda_available)
 #else
-  g_impls[index] = {reference_fwd, reference_bwd};
-  d.add_backend(g_op, {"kernelgate_cuda", BackendKind::kKernelgate,
-                       [] { return Support::no("this build has no CUDA support"); },
-                       [](const CallView&) { return Support::no("this build has no CUDA support"); }});
+        .unavailable("kernelgate_cuda", BackendKind::kKernelgate, kNoCudaBuild)
 #endif
-}
+        .install();
+
+}  // namespace
 
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
                                                 const std::optional<at::Tensor>& weight,
                                                 double eps) {
-  return op_handle().call(x, residual, weight, eps);
-}
-
-TORCH_LIBRARY_IMPL(kernelgate, CPU, m) {
-  m.impl("add_rms_norm", add_rms_norm_router);
-  m.impl("_add_rms_norm_fwd", add_rms_norm_fwd_router);
-  m.impl("_add_rms_norm_bwd", add_rms_norm_bwd_router);
-}
-
-#ifdef KERNELGATE_WITH_CUDA
-TORCH_LIBRARY_IMPL(kernelgate, CUDA, m) {
-  m.impl("add_rms_norm", add_rms_norm_router);
-  m.impl("_add_rms_norm_fwd", add_rms_norm_fwd_router);
-  m.impl("_add_rms_norm_bwd", add_rms_norm_bwd_router);
-}
-#endif
-
-TORCH_LIBRARY_IMPL(kernelgate, Meta, m) {
-  m.impl("add_rms_norm", add_rms_norm_meta);
-  m.impl("_add_rms_norm_fwd", add_rms_norm_fwd_meta);
-  m.impl("_add_rms_norm_bwd", add_rms_norm_bwd_meta);
-}
-
-TORCH_LIBRARY_IMPL(kernelgate, Autograd, m) { m.impl("add_rms_norm", add_rms_norm_autograd); }
-
-TORCH_LIBRARY_IMPL(kernelgate, CompositeImplicitAutograd, m) {
-  m.impl("_add_rms_norm_reference", add_rms_norm_reference_op);
+  static const auto op = typed_op<std::tuple<at::Tensor, at::Tensor>(
+      const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, double)>(
+      "add_rms_norm");
+  return op.call(x, residual, weight, eps);
 }
 
 }  // namespace kernelgate

@@ -1,13 +1,10 @@
 // cross_entropy: contract, the shared reference math and chunk steps (ops/cross_entropy_common.h),
-// backends (reference, kernelgate_cuda), routers, Meta and autograd.
+// backends (reference, kernelgate_cuda).
 #include <ATen/ATen.h>
-#include <torch/autograd.h>
-#include <torch/library.h>
 
 #include <cmath>
 #include <limits>
 
-#include "kernelgate/dispatch.h"
 #include "kernelgate/kernelgate.h"
 #include "kernels/cross_entropy.h"
 #include "ops/cross_entropy_common.h"
@@ -102,7 +99,7 @@ Tensor reference_loss(const Tensor& logits, const Tensor& target, int64_t ignore
   x = at::where(ignored, at::zeros({}, x.options()), x);
   auto [lse, loss] = row_math(x, r, label_smoothing);
   loss = at::where(r.in_range, loss, r.fill);
-  Tensor out = reduction == CeReduction::kNone ? loss
+  Tensor out = reduction == CeReduction::kNone  ? loss
                : reduction == CeReduction::kSum ? loss.sum()
                                                 : loss.sum() / (target != ignore_index).sum();
   return in_dtype(out, logits.scalar_type());
@@ -123,14 +120,16 @@ void aten_chunk_step(const ChunkStep& s) {
   Tensor p = at::exp(x - lse.unsqueeze(1));
   if (eps > 0) p = p - eps / double(classes);
   p = p.scatter_add(1, r.safe_target.unsqueeze(1), at::full({n, 1}, eps - 1.0, p.options()));
-  Tensor scale = s.dloss.defined() ? s.dloss.to(at::kFloat).expand({n}) : at::ones({n}, p.options());
+  Tensor scale =
+      s.dloss.defined() ? s.dloss.to(at::kFloat).expand({n}) : at::ones({n}, p.options());
   if (s.n_valid.defined()) scale = scale / s.n_valid;
   s.grad_out.copy_(at::where(r.in_range.unsqueeze(1), p * scale.unsqueeze(1), r.fill.unsqueeze(1)));
 }
 
 #ifdef KERNELGATE_WITH_CUDA
 void cuda_chunk_step(const ChunkStep& s) {
-  TORCH_INTERNAL_ASSERT(s.logits.stride(1) == 1 && s.target.is_contiguous() && s.lse.is_contiguous());
+  TORCH_INTERNAL_ASSERT(s.logits.stride(1) == 1 && s.target.is_contiguous() &&
+                        s.lse.is_contiguous());
   CudaContext ctx(s.logits);
   kernels::CeRowsArgs a;
   Tensor dloss = s.dloss.defined() ? s.dloss.contiguous() : Tensor();
@@ -174,9 +173,6 @@ using CeBwd = Tensor (*)(const Tensor& dloss, const Tensor& logits, const Tensor
                          const Tensor& lse, const Tensor& n_valid, int64_t ignore_index, double eps,
                          CeReduction red);
 
-OpId g_op = kNoOp;
-std::array<CeFwd, kMaxBackends> g_fwd{};
-std::array<CeBwd, kMaxBackends> g_bwd{};
 constexpr const char* kOp = "cross_entropy";
 
 Tensor rows_f32(const Tensor& logits) {
@@ -212,7 +208,8 @@ Tensor grad_step(ce::ChunkStepFn step, const Tensor& dloss, const Tensor& logits
   s.target = target;
   s.lse = lse;
   s.stats = false;
-  s.grad_out = at::empty(logits.sizes(), logits.options().memory_format(at::MemoryFormat::Contiguous));
+  s.grad_out =
+      at::empty(logits.sizes(), logits.options().memory_format(at::MemoryFormat::Contiguous));
   s.dloss = dloss;
   if (red == CeReduction::kMean) s.n_valid = n_valid;
   s.ignore_index = ignore_index;
@@ -224,7 +221,8 @@ Tensor grad_step(ce::ChunkStepFn step, const Tensor& dloss, const Tensor& logits
 Tensor reference_bwd(const Tensor& dloss, const Tensor& logits, const Tensor& target,
                      const Tensor& lse, const Tensor& n_valid, int64_t ignore_index, double eps,
                      CeReduction red) {
-  return grad_step(ce::aten_chunk_step, dloss, logits, target, lse, n_valid, ignore_index, eps, red);
+  return grad_step(ce::aten_chunk_step, dloss, logits, target, lse, n_valid, ignore_index, eps,
+                   red);
 }
 
 // ---- kernelgate_cuda
@@ -271,102 +269,42 @@ Tensor cuda_bwd(const Tensor& dloss, const Tensor& logits, const Tensor& target,
 }
 
 Support cuda_can_implement(const CallView& call) {
+  if (Support s = cuda_sm80(call, "logits is not on a CUDA device"); !s.ok) return s;
   const Tensor& x = *call.tensors[0];
-  if (!x.is_cuda()) return Support::no("logits is not on a CUDA device");
-  if (cuda_arch(x.get_device()) < 80) return Support::no("needs compute capability 8.0 or newer");
   if (x.size(1) > std::numeric_limits<int>::max() / 2) return Support::no("more than 2^30 classes");
   return Support::yes();
 }
 #endif
 
-// ---- routers, Meta, autograd
+// ---- checks, shapes and the protocol
 
-CallView make_call(const Tensor& logits, const Tensor& target, CeReduction red, bool grad) {
-  CallView call;
-  call.num_tensors = 2;
-  call.tensors = {&logits, &target};
-  call.grad = grad;
-  call.variant = static_cast<uint16_t>(red);  // the order of variant_args' reduction values
-  return call;
+using Triple = std::tuple<Tensor, Tensor, Tensor>;
+
+template <CeFwd F>
+Triple forward(const Tensor& logits, const Tensor& target, int64_t ignore_index, double eps,
+               c10::string_view reduction, GradRequest need) {
+  return F(logits, target, ignore_index, eps, ce::parse_reduction(kOp, reduction), need.any());
 }
 
-const OpContract& contract() { return Dispatcher::get().op(g_op).contract; }
-
-void check_call_and_scalars(const CallView& call, int64_t ignore_index, double eps) {
-  check_call(contract(), call);
-  const Tensor& logits = *call.tensors[0];
-  ce::check_scalars(kOp, "logits.size(1)", logits.size(0), logits.size(1), eps);
-  ce::check_targets_on_cpu(kOp, *call.tensors[1], logits.size(1), ignore_index);
+template <CeBwd B>
+Tensor backward(const Tensor& dloss, const Tensor& logits, const Tensor& target, const Tensor& lse,
+                const Tensor& n_valid, int64_t ignore_index, double eps, c10::string_view reduction,
+                GradRequest) {
+  return B(dloss, logits, target, lse, n_valid, ignore_index, eps,
+           ce::parse_reduction(kOp, reduction));
 }
 
-int route(const Tensor& logits, const Tensor& target, int64_t ignore_index, double eps,
-          CeReduction red, bool grad) {
-  CallView call = make_call(logits, target, red, grad);
-  BoundDims dims = check_call(contract(), call);
+void check_args(const Tensor& logits, const Tensor& target, int64_t ignore_index, double eps,
+                c10::string_view) {
   ce::check_scalars(kOp, "logits.size(1)", logits.size(0), logits.size(1), eps);
   ce::check_targets_on_cpu(kOp, target, logits.size(1), ignore_index);
-  return Dispatcher::get().select(g_op, call, dims);
 }
 
-Tensor ce_router(const Tensor& logits, const Tensor& target, int64_t ignore_index, double eps,
-                 c10::string_view reduction) {
-  const CeReduction red = ce::parse_reduction(kOp, reduction);
-  const int b = route(logits, target, ignore_index, eps, red, /*grad=*/false);
-  return std::get<0>(g_fwd[b](logits, target, ignore_index, eps, red, /*want_stats=*/false));
-}
-
-std::tuple<Tensor, Tensor, Tensor> ce_fwd_router(const Tensor& logits, const Tensor& target,
-                                                 int64_t ignore_index, double eps,
-                                                 c10::string_view reduction) {
-  const CeReduction red = ce::parse_reduction(kOp, reduction);
-  const int b = route(logits, target, ignore_index, eps, red, /*grad=*/true);
-  return g_fwd[b](logits, target, ignore_index, eps, red, /*want_stats=*/true);
-}
-
-void check_bwd_args(const Tensor& dloss, const Tensor& logits, const Tensor& lse, CeReduction red) {
-  const bool none = red == CeReduction::kNone;
-  TORCH_CHECK(none ? (dloss.dim() == 1 && dloss.size(0) == logits.size(0)) : dloss.dim() == 0, kOp,
-              " backward: grad must have the loss's shape (", none ? "[rows]" : "[]", "), got ",
-              dloss.sizes());
-  TORCH_CHECK(dloss.scalar_type() == logits.scalar_type(), kOp, " backward: grad must have dtype ",
-              logits.scalar_type(), ", got ", dloss.scalar_type());
-  TORCH_CHECK(lse.dim() == 1 && lse.size(0) == logits.size(0) && lse.scalar_type() == at::kFloat,
-              kOp, " backward: lse must be float32 [rows]");
-}
-
-Tensor ce_bwd_router(const Tensor& dloss, const Tensor& logits, const Tensor& target,
-                     const Tensor& lse, const Tensor& n_valid, int64_t ignore_index, double eps,
-                     c10::string_view reduction) {
-  const CeReduction red = ce::parse_reduction(kOp, reduction);
-  check_bwd_args(dloss, logits, lse, red);
-  const int b = route(logits, target, ignore_index, eps, red, /*grad=*/true);
-  return g_bwd[b](dloss, logits, target, lse, n_valid, ignore_index, eps, red);
-}
-
-Tensor loss_meta(const Tensor& logits, CeReduction red) {
-  return red == CeReduction::kNone ? at::empty({logits.size(0)}, logits.options())
-                                   : at::empty({}, logits.options());
-}
-
-Tensor ce_meta(const Tensor& logits, const Tensor& target, int64_t ignore_index, double eps,
-               c10::string_view reduction) {
-  const CeReduction red = ce::parse_reduction(kOp, reduction);
-  check_call_and_scalars(make_call(logits, target, red, false), ignore_index, eps);
-  return loss_meta(logits, red);
-}
-
-std::tuple<Tensor, Tensor, Tensor> ce_fwd_meta(const Tensor& logits, const Tensor& target,
-                                               int64_t ignore_index, double eps,
-                                               c10::string_view reduction) {
-  Tensor loss = ce_meta(logits, target, ignore_index, eps, reduction);
+Triple meta(const Tensor& logits, const Tensor&, int64_t, double, c10::string_view reduction) {
+  Tensor loss = ce::parse_reduction(kOp, reduction) == CeReduction::kNone
+                    ? at::empty({logits.size(0)}, logits.options())
+                    : at::empty({}, logits.options());
   return {loss, rows_f32(logits), at::empty({}, logits.options().dtype(at::kFloat))};
-}
-
-Tensor ce_bwd_meta(const Tensor& dloss, const Tensor& logits, const Tensor& target,
-                   const Tensor& lse, const Tensor& n_valid, int64_t ignore_index, double eps,
-                   c10::string_view reduction) {
-  check_bwd_args(dloss, logits, lse, ce::parse_reduction(kOp, reduction));
-  return at::empty(logits.sizes(), logits.options().memory_format(at::MemoryFormat::Contiguous));
 }
 
 Tensor ce_reference_op(const Tensor& logits, const Tensor& target, int64_t ignore_index, double eps,
@@ -377,72 +315,12 @@ Tensor ce_reference_op(const Tensor& logits, const Tensor& target, int64_t ignor
   return ce::reference_loss(logits, target, ignore_index, eps, red);
 }
 
-auto& op_handle() {
-  static auto h = c10::Dispatcher::singleton()
-                      .findSchemaOrThrow("kernelgate::cross_entropy", "")
-                      .typed<Tensor(const Tensor&, const Tensor&, int64_t, double, c10::string_view)>();
-  return h;
-}
-
-auto& fwd_handle() {
-  static auto h = c10::Dispatcher::singleton()
-                      .findSchemaOrThrow("kernelgate::_cross_entropy_fwd", "")
-                      .typed<std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, int64_t,
-                                                                double, c10::string_view)>();
-  return h;
-}
-
-auto& bwd_handle() {
-  static auto h = c10::Dispatcher::singleton()
-                      .findSchemaOrThrow("kernelgate::_cross_entropy_bwd", "")
-                      .typed<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                    const Tensor&, int64_t, double, c10::string_view)>();
-  return h;
-}
-
-class CrossEntropyFunction : public torch::autograd::Function<CrossEntropyFunction> {
- public:
-  static Tensor forward(torch::autograd::AutogradContext* ctx, const Tensor& logits,
-                        const Tensor& target, int64_t ignore_index, double eps,
-                        c10::string_view reduction) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    auto [loss, lse, n_valid] = fwd_handle().call(logits, target, ignore_index, eps, reduction);
-    ctx->save_for_backward({logits, target, lse, n_valid});
-    ctx->saved_data["ignore_index"] = ignore_index;
-    ctx->saved_data["label_smoothing"] = eps;
-    ctx->saved_data["reduction"] = std::string(reduction);
-    return loss;
-  }
-
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    if (!grads[0].defined()) return {Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
-    auto s = ctx->get_saved_variables();
-    Tensor dlogits = bwd_handle().call(grads[0], s[0], s[1], s[2], s[3],
-                                       ctx->saved_data["ignore_index"].toInt(),
-                                       ctx->saved_data["label_smoothing"].toDouble(),
-                                       ctx->saved_data["reduction"].toStringRef());
-    return {dlogits, Tensor(), Tensor(), Tensor(), Tensor()};
-  }
-};
-
-Tensor ce_autograd(c10::DispatchKeySet ks, const Tensor& logits, const Tensor& target,
-                   int64_t ignore_index, double eps, c10::string_view reduction) {
-  if (at::GradMode::is_enabled() && logits.requires_grad()) {
-    return CrossEntropyFunction::apply(logits, target, ignore_index, eps, reduction);
-  }
-  at::AutoDispatchBelowADInplaceOrView guard;
-  return op_handle().redispatch(ks & c10::after_ADInplaceOrView_keyset, logits, target,
-                                ignore_index, eps, reduction);
-}
-
-}  // namespace
-
-OpContract cross_entropy_contract() {
+OpContract contract() {
   OpContract c;
   c.name = kOp;
   c.schema =
-      "cross_entropy(Tensor logits, Tensor target, int ignore_index=-100, float label_smoothing=0.0, "
+      "cross_entropy(Tensor logits, Tensor target, int ignore_index=-100, float "
+      "label_smoothing=0.0, "
       "str reduction=\"mean\") -> Tensor";
   c.dims = "logits: [rows, classes]; target: [rows] index";
   c.index_ranges = {{"target", "classes"}};
@@ -455,68 +333,35 @@ OpContract cross_entropy_contract() {
       c.production_shapes.push_back({{"rows", rows}, {"classes", classes}});
     }
   }
+  c.outputs = {"loss"};
+  // lse: float32 [rows]; n_valid: the float32 count of rows not ignored.
+  c.extras = {"lse", "n_valid"};
+  c.saved = {"logits", "target", "lse", "n_valid"};
   return c;
 }
 
-void define_cross_entropy(torch::Library& m) {
-  m.def(torch::schema(cross_entropy_contract().schema.c_str()));
-  m.def("_cross_entropy_reference(Tensor logits, Tensor target, int ignore_index=-100, "
-        "float label_smoothing=0.0, str reduction=\"mean\") -> Tensor");
-  m.def("_cross_entropy_fwd(Tensor logits, Tensor target, int ignore_index, float label_smoothing, "
-        "str reduction) -> (Tensor, Tensor, Tensor)");
-  m.def("_cross_entropy_bwd(Tensor grad, Tensor logits, Tensor target, Tensor lse, Tensor n_valid, "
-        "int ignore_index, float label_smoothing, str reduction) -> Tensor");
-}
-
-void register_cross_entropy(Dispatcher& d) {
-  g_op = d.add_op(cross_entropy_contract(),
-                  BackendDesc{"reference", BackendKind::kReference, nullptr, nullptr});
-  g_fwd[0] = reference_fwd;
-  g_bwd[0] = reference_bwd;
-  const size_t index = d.op(g_op).backends.size();
+const OpId kOpId = OpDeclaration(contract())
+                       .reference(ce_reference_op)
+                       .meta(meta)
+                       .check(check_args)
+                       .backend("reference", BackendKind::kReference, forward<reference_fwd>,
+                                backward<reference_bwd>)
 #ifdef KERNELGATE_WITH_CUDA
-  // Typed entries first: the router may pick the backend as soon as it is published.
-  g_fwd[index] = cuda_fwd;
-  g_bwd[index] = cuda_bwd;
-  d.add_backend(g_op, {"kernelgate_cuda", BackendKind::kKernelgate, cuda_available, cuda_can_implement});
+                       .backend("kernelgate_cuda", BackendKind::kKernelgate, forward<cuda_fwd>,
+                                backward<cuda_bwd>, cuda_can_implement, cuda_available)
 #else
-  g_fwd[index] = reference_fwd;
-  g_bwd[index] = reference_bwd;
-  d.add_backend(g_op, {"kernelgate_cuda", BackendKind::kKernelgate,
-                       [] { return Support::no("this build has no CUDA support"); },
-                       [](const CallView&) { return Support::no("this build has no CUDA support"); }});
+                       .unavailable("kernelgate_cuda", BackendKind::kKernelgate, kNoCudaBuild)
 #endif
-}
+                       .install();
+
+}  // namespace
 
 at::Tensor cross_entropy(const at::Tensor& logits, const at::Tensor& target, int64_t ignore_index,
                          double label_smoothing, c10::string_view reduction) {
-  return op_handle().call(logits, target, ignore_index, label_smoothing, reduction);
-}
-
-TORCH_LIBRARY_IMPL(kernelgate, CPU, m) {
-  m.impl("cross_entropy", ce_router);
-  m.impl("_cross_entropy_fwd", ce_fwd_router);
-  m.impl("_cross_entropy_bwd", ce_bwd_router);
-}
-
-#ifdef KERNELGATE_WITH_CUDA
-TORCH_LIBRARY_IMPL(kernelgate, CUDA, m) {
-  m.impl("cross_entropy", ce_router);
-  m.impl("_cross_entropy_fwd", ce_fwd_router);
-  m.impl("_cross_entropy_bwd", ce_bwd_router);
-}
-#endif
-
-TORCH_LIBRARY_IMPL(kernelgate, Meta, m) {
-  m.impl("cross_entropy", ce_meta);
-  m.impl("_cross_entropy_fwd", ce_fwd_meta);
-  m.impl("_cross_entropy_bwd", ce_bwd_meta);
-}
-
-TORCH_LIBRARY_IMPL(kernelgate, Autograd, m) { m.impl("cross_entropy", ce_autograd); }
-
-TORCH_LIBRARY_IMPL(kernelgate, CompositeImplicitAutograd, m) {
-  m.impl("_cross_entropy_reference", ce_reference_op);
+  static const auto op =
+      typed_op<Tensor(const Tensor&, const Tensor&, int64_t, double, c10::string_view)>(
+          "cross_entropy");
+  return op.call(logits, target, ignore_index, label_smoothing, reduction);
 }
 
 }  // namespace kernelgate

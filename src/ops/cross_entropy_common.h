@@ -29,7 +29,8 @@ at::Tensor reference_loss(const at::Tensor& logits, const at::Tensor& target, in
                           double label_smoothing, CeReduction reduction);
 
 // Reduces float32 row losses: none -> as is, sum -> sum, mean -> sum / n_valid.
-at::Tensor reduce_rows(const at::Tensor& row_loss, CeReduction reduction, const at::Tensor& n_valid);
+at::Tensor reduce_rows(const at::Tensor& row_loss, CeReduction reduction,
+                       const at::Tensor& n_valid);
 
 // x [rows, classes] itself when its last dim is unit-stride, else a contiguous copy.
 at::Tensor unit_stride_rows(const at::Tensor& x);

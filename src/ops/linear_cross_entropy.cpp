@@ -1,6 +1,6 @@
 // linear_cross_entropy: cross_entropy(hidden @ weight.T + bias, target) without the float32
-// logits. Contract, backends (reference, kernelgate_cpu, kernelgate_cuda), routers, Meta and
-// autograd.
+// logits. Contract, reference, backends (reference, kernelgate_cpu, kernelgate_cuda) and its own
+// autograd (the gradients come from the forward; see below).
 //
 // Every backend runs one chunk loop (below) over blocks of rows:
 //   logits_c = hidden_c @ weight.T (+ bias)         cuBLAS / ATen, in the input dtype
@@ -20,8 +20,8 @@
 // the 16-bit input dtype (addmm, beta = 1) it is rounded once per chunk, and with LM target
 // statistics (Zipf-like targets) its error exceeds the oracle rule (2x the materialised
 // reference's error) for 8 chunks. So kernelgate_cpu / kernelgate_cuda accumulate in float32
-// (cublasGemmEx: 16-bit A, B, float32 C, beta = 1) and round once: classes * hidden * 4 extra bytes,
-// 2.1 GB at 128256 x 4096, half the materialised float32 logits and over the 10% memory
+// (cublasGemmEx: 16-bit A, B, float32 C, beta = 1) and round once: classes * hidden * 4 extra
+// bytes, 2.1 GB at 128256 x 4096, half the materialised float32 logits and over the 10% memory
 // target. The *_narrow_accum backends accumulate in the input dtype instead (within the memory
 // target, error measured in tests/python/test_linear_cross_entropy.py): the evidence decides
 // where they are correct.
@@ -32,7 +32,6 @@
 #include <atomic>
 #include <limits>
 
-#include "kernelgate/dispatch.h"
 #include "kernelgate/kernelgate.h"
 #include "ops/cross_entropy_common.h"
 #include "ops/op_util.h"
@@ -41,7 +40,6 @@ namespace kernelgate {
 namespace {
 
 using at::Tensor;
-using OptTensor = std::optional<Tensor>;
 using ce::CeReduction;
 
 constexpr const char* kOp = "linear_cross_entropy";
@@ -71,10 +69,6 @@ using Fwd = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> (*)(const Args& a
 using Bwd = std::tuple<Tensor, Tensor, Tensor> (*)(const Tensor& dloss, const Args& a,
                                                    const Tensor& lse, GradMask need);
 
-OpId g_op = kNoOp;
-std::array<Fwd, kMaxBackends> g_fwd{};
-std::array<Bwd, kMaxBackends> g_bwd{};
-
 Tensor no_grad_tensor(const Tensor& like) { return at::empty({0}, like.options()); }
 
 // Rows per chunk: the logits buffer (chunk x classes in the input dtype) is at most 1/16 of the
@@ -97,8 +91,8 @@ struct LoopResult {
 // How a backend runs the loop.
 struct Plan {
   ce::ChunkStepFn step;
-  bool chunked;     // false: one chunk (materialised logits)
-  bool f32_accum;   // grad_weight accumulated over chunks in float32 (see the file comment)
+  bool chunked;    // false: one chunk (materialised logits)
+  bool f32_accum;  // grad_weight accumulated over chunks in float32 (see the file comment)
 };
 
 #ifdef KERNELGATE_WITH_CUDA
@@ -122,13 +116,13 @@ void gemm_dlt_h_f32_cuda(Tensor& out, const Tensor& dl, const Tensor& hc, bool a
   const cudaDataType_t type = dl.scalar_type() == at::kBFloat16 ? CUDA_R_16BF : CUDA_R_16F;
   const float alpha = 1.f, beta = accumulate ? 1.f : 0.f;
   c10::cuda::CUDAGuard guard(out.device());
-  const cublasStatus_t st = cublasGemmEx(
-      at::cuda::getCurrentCUDABlasHandle(), CUBLAS_OP_N, CUBLAS_OP_T, int(hidden), int(classes),
-      int(c), &alpha, hc.const_data_ptr(), type, int(hc.stride(0)), dl.const_data_ptr(), type,
-      int(dl.stride(0)), &beta, out.data_ptr(), CUDA_R_32F, int(hidden), CUBLAS_COMPUTE_32F,
-      CUBLAS_GEMM_DEFAULT);
-  TORCH_CHECK(st == CUBLAS_STATUS_SUCCESS, kOp, ": cuBLAS GEMM for grad_weight failed: ",
-              cublasGetStatusString(st));
+  const cublasStatus_t st =
+      cublasGemmEx(at::cuda::getCurrentCUDABlasHandle(), CUBLAS_OP_N, CUBLAS_OP_T, int(hidden),
+                   int(classes), int(c), &alpha, hc.const_data_ptr(), type, int(hc.stride(0)),
+                   dl.const_data_ptr(), type, int(dl.stride(0)), &beta, out.data_ptr(), CUDA_R_32F,
+                   int(hidden), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+  TORCH_CHECK(st == CUBLAS_STATUS_SUCCESS, kOp,
+              ": cuBLAS GEMM for grad_weight failed: ", cublasGetStatusString(st));
 }
 #endif
 
@@ -204,7 +198,8 @@ LoopResult chunk_loop(const Args& a, const Plan& plan, int64_t chunk, bool stats
     }
     if (gb32.defined()) gb32.add_(at::sum(lc, {0}, false, at::kFloat));
   }
-  if (gw_acc.defined()) r.gw = gw_acc.scalar_type() == h.scalar_type() ? gw_acc : gw_acc.to(h.scalar_type());
+  if (gw_acc.defined())
+    r.gw = gw_acc.scalar_type() == h.scalar_type() ? gw_acc : gw_acc.to(h.scalar_type());
   if (gb32.defined()) r.gb = gb32.to(h.scalar_type());
   return r;
 }
@@ -218,7 +213,8 @@ int64_t chunk_for(const Args& a, const Plan& plan) {
   return auto_chunk_rows(a.hidden.size(0), a.weight.size(0), a.hidden.element_size());
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> loop_fwd(const Args& a, GradMask need, const Plan& plan) {
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> loop_fwd(const Args& a, GradMask need,
+                                                            const Plan& plan) {
   const Tensor n_valid = n_valid_for(a);
   const bool grad = a.red != CeReduction::kNone && need.any();
   LoopResult r = chunk_loop(a, plan, chunk_for(a, plan), /*stats=*/true, grad, need, Tensor(),
@@ -252,19 +248,14 @@ constexpr Plan kReference{ce::aten_chunk_step, false, false};
 constexpr Plan kCpu{ce::aten_chunk_step, true, true};
 constexpr Plan kCpuNarrow{ce::aten_chunk_step, true, false};
 
-Support cpu_can_implement(const CallView& call) {
-  if (!call.tensors[0]->is_cpu()) return Support::no("hidden is not on the CPU");
-  return Support::yes();
-}
+Support cpu_can_implement(const CallView& call) { return on_cpu(call, "hidden is not on the CPU"); }
 
 #ifdef KERNELGATE_WITH_CUDA
 constexpr Plan kCuda{ce::cuda_chunk_step, true, true};
 constexpr Plan kCudaNarrow{ce::cuda_chunk_step, true, false};
 
 Support cuda_can_implement(const CallView& call) {
-  const Tensor& h = *call.tensors[0];
-  if (!h.is_cuda()) return Support::no("hidden is not on a CUDA device");
-  if (cuda_arch(h.get_device()) < 80) return Support::no("needs compute capability 8.0 or newer");
+  if (Support s = cuda_sm80(call, "hidden is not on a CUDA device"); !s.ok) return s;
   if (call.tensors[1]->size(0) > std::numeric_limits<int>::max() / 2) {
     return Support::no("more than 2^30 classes");
   }
@@ -272,107 +263,58 @@ Support cuda_can_implement(const CallView& call) {
 }
 #endif
 
-// ---- routers, Meta, autograd
+// ---- checks, shapes and the protocol (kernelgate/op.h) over the typed backends above
 
-CallView make_call(const Tensor& hidden, const Tensor& weight, const Tensor& target,
-                   const OptTensor& bias, CeReduction red, bool grad) {
-  CallView call;
-  call.num_tensors = 4;
-  call.tensors = {&hidden, &weight, &target, bias ? &*bias : nullptr};
-  call.grad = grad;
-  call.variant = static_cast<uint16_t>(red);
-  return call;
-}
+// Tensor arguments: hidden 0, weight 1, target 2, bias 3.
+GradMask mask_of(GradRequest need) { return {need(0), need(1), need(3)}; }
 
-BoundDims check(const CallView& call, int64_t ignore_index, double eps) {
-  BoundDims dims = check_call(Dispatcher::get().op(g_op).contract, call);
-  const Tensor& weight = *call.tensors[1];
-  ce::check_scalars(kOp, "weight.size(0)", call.tensors[0]->size(0), weight.size(0), eps);
-  ce::check_targets_on_cpu(kOp, *call.tensors[2], weight.size(0), ignore_index);
-  return dims;
-}
+using Five = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>;
+using Three = std::tuple<Tensor, Tensor, Tensor>;
 
-int route(const Args& a, bool grad) {
-  CallView call = make_call(a.hidden, a.weight, a.target, a.bias, a.red, grad);
-  BoundDims dims = check(call, a.ignore_index, a.eps);
-  return Dispatcher::get().select(g_op, call, dims);
-}
-
-Tensor lce_router(const Tensor& hidden, const Tensor& weight, const Tensor& target,
-                  const OptTensor& bias, int64_t ignore_index, double eps, c10::string_view reduction) {
+template <Fwd F>
+Five forward(const Tensor& hidden, const Tensor& weight, const Tensor& target,
+             const OptTensor& bias, int64_t ignore_index, double eps, c10::string_view reduction,
+             GradRequest need) {
   Args a{hidden, weight, target, bias, ignore_index, eps, ce::parse_reduction(kOp, reduction)};
-  return std::get<0>(g_fwd[route(a, /*grad=*/false)](a, GradMask{}));
+  return F(a, mask_of(need));
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> lce_fwd_router(
-    const Tensor& hidden, const Tensor& weight, const Tensor& target, const OptTensor& bias,
-    int64_t ignore_index, double eps, c10::string_view reduction, bool hidden_grad,
-    bool weight_grad, bool bias_grad) {
+template <Bwd B>
+Three backward(const Tensor& dloss, const Tensor& hidden, const Tensor& weight,
+               const Tensor& target, const OptTensor& bias, const Tensor& lse, int64_t ignore_index,
+               double eps, c10::string_view reduction, GradRequest need) {
   Args a{hidden, weight, target, bias, ignore_index, eps, ce::parse_reduction(kOp, reduction)};
-  return g_fwd[route(a, /*grad=*/true)](a, GradMask{hidden_grad, weight_grad, bias_grad});
-}
-
-void check_bwd_args(const Tensor& dloss, const Args& a, const Tensor& lse) {
-  const int64_t rows = a.hidden.size(0);
+  const int64_t rows = hidden.size(0);
   const bool none = a.red == CeReduction::kNone;
   TORCH_CHECK(none ? (dloss.dim() == 1 && dloss.size(0) == rows) : dloss.dim() == 0, kOp,
               " backward: grad must have the loss's shape (", none ? "[rows]" : "[]", "), got ",
               dloss.sizes());
-  TORCH_CHECK(dloss.scalar_type() == a.hidden.scalar_type(), kOp, " backward: grad must have dtype ",
-              a.hidden.scalar_type(), ", got ", dloss.scalar_type());
+  TORCH_CHECK(dloss.scalar_type() == hidden.scalar_type(), kOp, " backward: grad must have dtype ",
+              hidden.scalar_type(), ", got ", dloss.scalar_type());
   TORCH_CHECK(lse.dim() == 1 && lse.size(0) == rows && lse.scalar_type() == at::kFloat, kOp,
               " backward: lse must be float32 [rows]");
+  return B(dloss, a, lse, mask_of(need));
 }
 
-std::tuple<Tensor, Tensor, Tensor> lce_bwd_router(const Tensor& dloss, const Tensor& hidden,
-                                                  const Tensor& weight, const Tensor& target,
-                                                  const OptTensor& bias, const Tensor& lse,
-                                                  int64_t ignore_index, double eps,
-                                                  c10::string_view reduction, bool hidden_grad,
-                                                  bool weight_grad, bool bias_grad) {
-  Args a{hidden, weight, target, bias, ignore_index, eps, ce::parse_reduction(kOp, reduction)};
-  check_bwd_args(dloss, a, lse);
-  return g_bwd[route(a, /*grad=*/true)](dloss, a, lse, GradMask{hidden_grad, weight_grad, bias_grad});
+void check_args(const Tensor& hidden, const Tensor& weight, const Tensor& target, const OptTensor&,
+                int64_t ignore_index, double eps, c10::string_view) {
+  ce::check_scalars(kOp, "weight.size(0)", hidden.size(0), weight.size(0), eps);
+  ce::check_targets_on_cpu(kOp, target, weight.size(0), ignore_index);
 }
 
-// Meta: the same checks and the shapes the backends return.
-std::tuple<Tensor, Tensor, Tensor> grads_meta(bool grad, GradMask need, const Tensor& hidden,
-                                              const Tensor& weight, const OptTensor& bias) {
-  auto make = [&](bool wanted, at::IntArrayRef sizes) {
-    return grad && wanted ? at::empty(sizes, hidden.options()) : no_grad_tensor(hidden);
+// Shapes the backends return; gradients only for "mean" / "sum" and the inputs asked for
+// (undefined: the op mechanism's empty [0] tensor).
+Five meta(const Tensor& hidden, const Tensor& weight, const Tensor&, const OptTensor& bias, int64_t,
+          double, c10::string_view reduction, GradRequest need) {
+  const bool none = ce::parse_reduction(kOp, reduction) == CeReduction::kNone;
+  const GradMask m = mask_of(need);
+  auto grad = [&](bool wanted, at::IntArrayRef sizes) {
+    return !none && wanted ? at::empty(sizes, hidden.options()) : Tensor();
   };
-  return {make(need.hidden, hidden.sizes()), make(need.weight, weight.sizes()),
-          make(need.bias && bias.has_value(), {weight.size(0)})};
-}
-
-Tensor lce_meta(const Tensor& hidden, const Tensor& weight, const Tensor& target,
-                const OptTensor& bias, int64_t ignore_index, double eps, c10::string_view reduction) {
-  const CeReduction red = ce::parse_reduction(kOp, reduction);
-  check(make_call(hidden, weight, target, bias, red, false), ignore_index, eps);
-  return red == CeReduction::kNone ? at::empty({hidden.size(0)}, hidden.options())
-                                   : at::empty({}, hidden.options());
-}
-
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> lce_fwd_meta(
-    const Tensor& hidden, const Tensor& weight, const Tensor& target, const OptTensor& bias,
-    int64_t ignore_index, double eps, c10::string_view reduction, bool hidden_grad,
-    bool weight_grad, bool bias_grad) {
-  Tensor loss = lce_meta(hidden, weight, target, bias, ignore_index, eps, reduction);
-  const bool grad = ce::parse_reduction(kOp, reduction) != CeReduction::kNone &&
-                    (hidden_grad || weight_grad || bias_grad);
-  auto [gh, gw, gb] = grads_meta(grad, {hidden_grad, weight_grad, bias_grad}, hidden, weight, bias);
-  return {loss, at::empty({hidden.size(0)}, hidden.options().dtype(at::kFloat)), gh, gw, gb};
-}
-
-std::tuple<Tensor, Tensor, Tensor> lce_bwd_meta(const Tensor& dloss, const Tensor& hidden,
-                                                const Tensor& weight, const Tensor& target,
-                                                const OptTensor& bias, const Tensor& lse,
-                                                int64_t ignore_index, double eps,
-                                                c10::string_view reduction, bool hidden_grad,
-                                                bool weight_grad, bool bias_grad) {
-  Args a{hidden, weight, target, bias, ignore_index, eps, ce::parse_reduction(kOp, reduction)};
-  check_bwd_args(dloss, a, lse);
-  return grads_meta(true, {hidden_grad, weight_grad, bias_grad}, hidden, weight, bias);
+  return {none ? at::empty({hidden.size(0)}, hidden.options()) : at::empty({}, hidden.options()),
+          at::empty({hidden.size(0)}, hidden.options().dtype(at::kFloat)),
+          grad(m.hidden, hidden.sizes()), grad(m.weight, weight.sizes()),
+          grad(m.bias && bias.has_value(), {weight.size(0)})};
 }
 
 Tensor lce_reference_op(const Tensor& hidden, const Tensor& weight, const Tensor& target,
@@ -391,30 +333,28 @@ int64_t set_chunk_rows(int64_t rows) {
 }
 
 auto& op_handle() {
-  static auto h = c10::Dispatcher::singleton()
-                      .findSchemaOrThrow("kernelgate::linear_cross_entropy", "")
-                      .typed<Tensor(const Tensor&, const Tensor&, const Tensor&, const OptTensor&,
-                                    int64_t, double, c10::string_view)>();
+  static auto h = typed_op<Tensor(const Tensor&, const Tensor&, const Tensor&, const OptTensor&,
+                                  int64_t, double, c10::string_view)>(kOp);
   return h;
 }
 
 auto& fwd_handle() {
-  static auto h = c10::Dispatcher::singleton()
-                      .findSchemaOrThrow("kernelgate::_linear_cross_entropy_fwd", "")
-                      .typed<std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>(
-                          const Tensor&, const Tensor&, const Tensor&, const OptTensor&, int64_t,
-                          double, c10::string_view, bool, bool, bool)>();
+  static auto h =
+      typed_op<Five(const Tensor&, const Tensor&, const Tensor&, const OptTensor&, int64_t, double,
+                    c10::string_view, int64_t)>("_linear_cross_entropy_fwd");
   return h;
 }
 
 auto& bwd_handle() {
-  static auto h = c10::Dispatcher::singleton()
-                      .findSchemaOrThrow("kernelgate::_linear_cross_entropy_bwd", "")
-                      .typed<std::tuple<Tensor, Tensor, Tensor>(
-                          const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                          const OptTensor&, const Tensor&, int64_t, double, c10::string_view, bool,
-                          bool, bool)>();
+  static auto h =
+      typed_op<Three(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const OptTensor&,
+                     const Tensor&, int64_t, double, c10::string_view, int64_t)>(
+          "_linear_cross_entropy_bwd");
   return h;
+}
+
+int64_t mask_bits(bool hidden, bool weight, bool bias) {
+  return (hidden ? 1 : 0) | (weight ? 2 : 0) | (bias ? 8 : 0);
 }
 
 // grad *= cotangent (a scalar), in place: the backward of the "mean" / "sum" reductions applies
@@ -457,7 +397,8 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
                         const Tensor& weight, const Tensor& target, const OptTensor& bias,
                         int64_t ignore_index, double eps, c10::string_view reduction) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    const GradMask need{hidden.requires_grad(), weight.requires_grad(), bias && bias->requires_grad()};
+    const GradMask need{hidden.requires_grad(), weight.requires_grad(),
+                        bias && bias->requires_grad()};
     // float16 recomputes in the backward, with the cotangent folded into dlogits before they
     // are rounded: gradients for a unit cotangent, scaled afterwards, would be rounded twice in
     // float16's subnormal range (a mean over many rows and classes puts grad_weight there), and
@@ -466,7 +407,7 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
                              hidden.scalar_type() != at::kHalf;
     auto [loss, lse, gh, gw, gb] =
         fwd_handle().call(hidden, weight, target, bias, ignore_index, eps, reduction,
-                          precomputed && need.hidden, precomputed && need.weight, precomputed && need.bias);
+                          precomputed ? mask_bits(need.hidden, need.weight, need.bias) : 0);
     if (precomputed) {
       ctx->save_for_backward({gh, gw, gb});
     } else {
@@ -487,6 +428,11 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
     torch::autograd::variable_list out(7);
     const Tensor& dloss = grads[0];
     if (!dloss.defined()) return out;
+    // The backward is routed kernels, not ATen ops autograd could differentiate again.
+    TORCH_CHECK(!at::GradMode::is_enabled(), kOp,
+                ": double backward (create_graph=True) is not supported: its gradients come from "
+                "fused kernels (computed in the forward for reduction 'mean' and 'sum'), which "
+                "autograd cannot differentiate again");
     auto need_list = ctx->saved_data["need"].toBoolList();
     const GradMask need{need_list[0], need_list[1], need_list[2]};
     const bool precomputed = ctx->saved_data["precomputed"].toBool();
@@ -507,7 +453,7 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
       std::tie(gh, gw, gb) = bwd_handle().call(
           dloss, s[0], s[1], s[2], bias, s[4], ctx->saved_data["ignore_index"].toInt(),
           ctx->saved_data["label_smoothing"].toDouble(), ctx->saved_data["reduction"].toStringRef(),
-          need.hidden, need.weight, need.bias);
+          mask_bits(need.hidden, need.weight, need.bias));
     }
     out[0] = need.hidden ? gh : Tensor();
     out[1] = need.weight ? gw : Tensor();
@@ -523,23 +469,23 @@ Tensor lce_autograd(c10::DispatchKeySet ks, const Tensor& hidden, const Tensor& 
       at::GradMode::is_enabled() &&
       (hidden.requires_grad() || weight.requires_grad() || (bias && bias->requires_grad()));
   if (needs_grad) {
-    return LinearCrossEntropyFunction::apply(hidden, weight, target, bias, ignore_index, eps, reduction);
+    return LinearCrossEntropyFunction::apply(hidden, weight, target, bias, ignore_index, eps,
+                                             reduction);
   }
   at::AutoDispatchBelowADInplaceOrView guard;
   return op_handle().redispatch(ks & c10::after_ADInplaceOrView_keyset, hidden, weight, target,
                                 bias, ignore_index, eps, reduction);
 }
 
-}  // namespace
-
-OpContract linear_cross_entropy_contract() {
+OpContract contract() {
   OpContract c;
   c.name = kOp;
   c.source_stem = "linear_cross_entropy,cross_entropy";
   c.schema =
       "linear_cross_entropy(Tensor hidden, Tensor weight, Tensor target, Tensor? bias=None, "
       "int ignore_index=-100, float label_smoothing=0.0, str reduction=\"mean\") -> Tensor";
-  c.dims = "hidden: [rows, hidden]; weight: [classes, hidden]; target: [rows] index; bias?: [classes]";
+  c.dims =
+      "hidden: [rows, hidden]; weight: [classes, hidden]; target: [rows] index; bias?: [classes]";
   c.index_ranges = {{"target", "classes"}};
   c.dtypes = {at::kFloat, at::kHalf, at::kBFloat16};
   c.scalar_test_values = {{"label_smoothing", {0.0, 0.1}}};
@@ -549,89 +495,61 @@ OpContract linear_cross_entropy_contract() {
                          {{"rows", 4096}, {"hidden", 4096}, {"classes", 128256}},
                          {{"rows", 8192}, {"hidden", 3584}, {"classes", 152064}},
                          {{"rows", 8192}, {"hidden", 2048}, {"classes", 32000}}};
+  c.outputs = {"loss"};
+  // The forward's gradients for a unit cotangent ("mean" / "sum" in training; see
+  // LinearCrossEntropyFunction), and the lse that a recomputing backward reads.
+  c.extras = {"lse", "grad_hidden", "grad_weight", "grad_bias"};
+  c.saved = {"hidden", "weight", "target", "bias", "lse"};
   return c;
 }
 
-void define_linear_cross_entropy(torch::Library& m) {
-  m.def(torch::schema(linear_cross_entropy_contract().schema.c_str()));
-  m.def("_linear_cross_entropy_reference(Tensor hidden, Tensor weight, Tensor target, "
-        "Tensor? bias=None, int ignore_index=-100, float label_smoothing=0.0, "
-        "str reduction=\"mean\") -> Tensor");
-  m.def("_linear_cross_entropy_fwd(Tensor hidden, Tensor weight, Tensor target, Tensor? bias, "
-        "int ignore_index, float label_smoothing, str reduction, bool hidden_grad, "
-        "bool weight_grad, bool bias_grad) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
-  m.def("_linear_cross_entropy_bwd(Tensor grad, Tensor hidden, Tensor weight, Tensor target, "
-        "Tensor? bias, Tensor lse, int ignore_index, float label_smoothing, str reduction, "
-        "bool hidden_grad, bool weight_grad, bool bias_grad) -> (Tensor, Tensor, Tensor)");
-  m.def("_linear_cross_entropy_scale_(Tensor(a!) grad, Tensor cotangent) -> ()");
+// Helper ops: the backward's in-place cotangent scaling, and the chunk size tests set.
+void define_helpers(torch::Library& lib) {
+  lib.def("_linear_cross_entropy_scale_(Tensor(a!) grad, Tensor cotangent) -> ()");
   // Tests: rows per chunk of the chunked backends (0: automatic); returns the previous value.
-  m.def("_linear_cross_entropy_set_chunk_rows(int rows) -> int", &set_chunk_rows);
+  lib.def("_linear_cross_entropy_set_chunk_rows(int rows) -> int", &set_chunk_rows);
+  lib.impl("_linear_cross_entropy_scale_",
+           torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(scale_cpu)));
+#ifdef KERNELGATE_WITH_CUDA
+  lib.impl("_linear_cross_entropy_scale_",
+           torch::dispatch(c10::DispatchKey::CUDA, TORCH_FN(scale_cuda)));
+#endif
+  lib.impl("_linear_cross_entropy_scale_",
+           torch::dispatch(c10::DispatchKey::Meta, TORCH_FN(scale_meta)));
+  lib.impl(kOp, torch::dispatch(c10::DispatchKey::Autograd, TORCH_FN(lce_autograd)));
 }
 
-void register_linear_cross_entropy(Dispatcher& d) {
-  g_op = d.add_op(linear_cross_entropy_contract(),
-                  BackendDesc{"reference", BackendKind::kReference, nullptr, nullptr});
-  g_fwd[0] = plan_fwd<kReference>;
-  g_bwd[0] = plan_bwd<kReference>;
-  // Typed entries first: the router may pick a backend as soon as it is published.
-  auto add = [&](BackendDesc desc, Fwd fwd, Bwd bwd) {
-    const size_t index = d.op(g_op).backends.size();
-    g_fwd[index] = fwd;
-    g_bwd[index] = bwd;
-    d.add_backend(g_op, std::move(desc));
-  };
-  add({"kernelgate_cpu", BackendKind::kKernelgate, nullptr, cpu_can_implement}, plan_fwd<kCpu>,
-      plan_bwd<kCpu>);
-  add({"kernelgate_cpu_narrow_accum", BackendKind::kKernelgate, nullptr, cpu_can_implement},
-      plan_fwd<kCpuNarrow>, plan_bwd<kCpuNarrow>);
+const OpId kOpId =
+    OpDeclaration(contract())
+        .reference(lce_reference_op)
+        .meta(meta)
+        .check(check_args)
+        .backend("reference", BackendKind::kReference, forward<plan_fwd<kReference>>,
+                 backward<plan_bwd<kReference>>)
+        .backend("kernelgate_cpu", BackendKind::kKernelgate, forward<plan_fwd<kCpu>>,
+                 backward<plan_bwd<kCpu>>, cpu_can_implement)
+        .backend("kernelgate_cpu_narrow_accum", BackendKind::kKernelgate,
+                 forward<plan_fwd<kCpuNarrow>>, backward<plan_bwd<kCpuNarrow>>, cpu_can_implement)
 #ifdef KERNELGATE_WITH_CUDA
-  add({"kernelgate_cuda", BackendKind::kKernelgate, cuda_available, cuda_can_implement},
-      plan_fwd<kCuda>, plan_bwd<kCuda>);
-  add({"kernelgate_cuda_narrow_accum", BackendKind::kKernelgate, cuda_available, cuda_can_implement},
-      plan_fwd<kCudaNarrow>, plan_bwd<kCudaNarrow>);
+        .backend("kernelgate_cuda", BackendKind::kKernelgate, forward<plan_fwd<kCuda>>,
+                 backward<plan_bwd<kCuda>>, cuda_can_implement, cuda_available)
+        .backend("kernelgate_cuda_narrow_accum", BackendKind::kKernelgate,
+                 forward<plan_fwd<kCudaNarrow>>, backward<plan_bwd<kCudaNarrow>>,
+                 cuda_can_implement, cuda_available)
 #else
-  for (const char* name : {"kernelgate_cuda", "kernelgate_cuda_narrow_accum"}) {
-    add({name, BackendKind::kKernelgate, [] { return Support::no("this build has no CUDA support"); },
-         [](const CallView&) { return Support::no("this build has no CUDA support"); }},
-        plan_fwd<kReference>, plan_bwd<kReference>);
-  }
+        .unavailable("kernelgate_cuda", BackendKind::kKernelgate, kNoCudaBuild)
+        .unavailable("kernelgate_cuda_narrow_accum", BackendKind::kKernelgate, kNoCudaBuild)
 #endif
-}
+        .custom_autograd(define_helpers)
+        .install();
+
+}  // namespace
 
 at::Tensor linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight,
                                 const at::Tensor& target, const std::optional<at::Tensor>& bias,
                                 int64_t ignore_index, double label_smoothing,
                                 c10::string_view reduction) {
   return op_handle().call(hidden, weight, target, bias, ignore_index, label_smoothing, reduction);
-}
-
-TORCH_LIBRARY_IMPL(kernelgate, CPU, m) {
-  m.impl("linear_cross_entropy", lce_router);
-  m.impl("_linear_cross_entropy_fwd", lce_fwd_router);
-  m.impl("_linear_cross_entropy_bwd", lce_bwd_router);
-  m.impl("_linear_cross_entropy_scale_", scale_cpu);
-}
-
-#ifdef KERNELGATE_WITH_CUDA
-TORCH_LIBRARY_IMPL(kernelgate, CUDA, m) {
-  m.impl("linear_cross_entropy", lce_router);
-  m.impl("_linear_cross_entropy_fwd", lce_fwd_router);
-  m.impl("_linear_cross_entropy_bwd", lce_bwd_router);
-  m.impl("_linear_cross_entropy_scale_", scale_cuda);
-}
-#endif
-
-TORCH_LIBRARY_IMPL(kernelgate, Meta, m) {
-  m.impl("linear_cross_entropy", lce_meta);
-  m.impl("_linear_cross_entropy_fwd", lce_fwd_meta);
-  m.impl("_linear_cross_entropy_bwd", lce_bwd_meta);
-  m.impl("_linear_cross_entropy_scale_", scale_meta);
-}
-
-TORCH_LIBRARY_IMPL(kernelgate, Autograd, m) { m.impl("linear_cross_entropy", lce_autograd); }
-
-TORCH_LIBRARY_IMPL(kernelgate, CompositeImplicitAutograd, m) {
-  m.impl("_linear_cross_entropy_reference", lce_reference_op);
 }
 
 }  // namespace kernelgate

@@ -1,12 +1,12 @@
-// Helpers shared by op launchers: 2-D row views for the kernels, dtype mapping, CUDA context.
-// Included only by src/ops/*.cpp (it sees at::Tensor; kernels never do).
+// Helpers shared by op files: the declaration API, 2-D row views for the kernels, dtype mapping,
+// CUDA context. Included only by src/ops/*.cpp (it sees at::Tensor; kernels never do).
 #pragma once
 #include <ATen/ATen.h>
 
 #include <cstdio>
 #include <string>
 
-#include "kernelgate/dispatch.h"
+#include "kernelgate/op.h"
 #include "kernels/dtype.h"
 
 #ifdef KERNELGATE_WITH_CUDA
@@ -16,6 +16,9 @@
 #endif
 
 namespace kernelgate {
+
+// The reason a CUDA backend is listed but unavailable in a build without CUDA.
+constexpr const char* kNoCudaBuild = "this build has no CUDA support";
 
 // A double in an error message. snprintf, not an ostream: in a process where a library loaded
 // earlier exports its own copy of libstdc++'s stream internals (as on our H200 machine),
@@ -88,13 +91,29 @@ struct CudaContext {
 };
 
 inline void check_cuda(int rc, const char* what) {
-  TORCH_CHECK(rc == 0, what, " kernel launch failed: ",
-              cudaGetErrorString(static_cast<cudaError_t>(rc)));
+  TORCH_CHECK(rc == 0, what,
+              " kernel launch failed: ", cudaGetErrorString(static_cast<cudaError_t>(rc)));
 }
 
 inline Support cuda_available() {
   return at::cuda::is_available() ? Support::yes() : Support::no("no CUDA device is visible");
 }
 #endif
+
+// What every CUDA kernel of ours needs: the call on a CUDA device of compute capability 8.0 or
+// newer. `not_cuda` names the tensor ("x is not on a CUDA device").
+inline Support cuda_sm80(const CallView& call, const char* not_cuda) {
+  const c10::Device device = call.device();
+  if (!device.is_cuda()) return Support::no(not_cuda);
+  if (cuda_arch(device.index() < 0 ? 0 : device.index()) < 80) {
+    return Support::no("needs compute capability 8.0 or newer");
+  }
+  return Support::yes();
+}
+
+// The call is on the CPU. `not_cpu` names the tensor ("x is not on the CPU").
+inline Support on_cpu(const CallView& call, const char* not_cpu) {
+  return call.device().is_cpu() ? Support::yes() : Support::no(not_cpu);
+}
 
 }  // namespace kernelgate

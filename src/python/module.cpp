@@ -2,11 +2,17 @@
 // (libkernelgate is linked in). Everything here is off the hot path: ops are called through
 // torch.ops.kernelgate.
 #include <torch/csrc/Dtype.h>
-#include <set>
+#include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <algorithm>
+
+#include "harness/evidence.h"
+#include "harness/harness.h"
 #include "harness/sweep.h"
+#include "harness/worker_pool.h"
 #include "kernelgate/kernelgate.h"
+#include "python/python_ops.h"
 #include "store/store.h"
 
 namespace py = pybind11;
@@ -29,8 +35,8 @@ CallView to_call(const OpEntry& e, const std::vector<std::optional<at::Tensor>>&
                  std::vector<at::Tensor>& keep) {
   if (tensors.size() != e.contract.tensor_args.size()) {
     throw py::value_error(e.contract.name + " takes " +
-                          std::to_string(e.contract.tensor_args.size()) + " tensor arguments, got " +
-                          std::to_string(tensors.size()));
+                          std::to_string(e.contract.tensor_args.size()) +
+                          " tensor arguments, got " + std::to_string(tensors.size()));
   }
   keep.reserve(tensors.size());
   CallView call;
@@ -45,12 +51,15 @@ CallView to_call(const OpEntry& e, const std::vector<std::optional<at::Tensor>>&
   return call;
 }
 
+// `device`: the device the call would run on, when the tensors stand for it (meta tensors).
 py::dict explain(const std::string& op, const std::vector<std::optional<at::Tensor>>& tensors,
-                 bool grad, const std::map<std::string, std::string>& strings) {
+                 bool grad, const std::map<std::string, std::string>& strings,
+                 const std::optional<std::string>& device) {
   const OpEntry& e = find(op);
   std::vector<at::Tensor> keep;
   CallView call = to_call(e, tensors, grad, keep);
   call.variant = variant_of(e.contract, strings);
+  if (device) call.on = c10::Device(*device);
   BoundDims dims = check_call(e.contract, call);
   Explanation ex = Dispatcher::get().explain(e.id, call, dims);
   py::list cands;
@@ -68,6 +77,7 @@ py::dict explain(const std::string& op, const std::vector<std::optional<at::Tens
   out["backend"] = ex.backend;
   out["reason"] = ex.reason;
   out["candidates"] = cands;
+  out["evidence_problems"] = ex.evidence_problems;
   return out;
 }
 
@@ -83,6 +93,8 @@ py::list ops() {
       b["kind"] = backend_kind_name(e.backends[i].kind);
       b["available"] = e.availability[i].ok;
       b["reason"] = std::string(e.availability[i].reason);
+      b["version"] = e.backends[i].version;
+      b["has_backward"] = e.backends[i].impl ? e.backends[i].impl->has_backward() : false;
       backends.append(b);
     }
     py::list dtypes;
@@ -100,6 +112,19 @@ py::list ops() {
     o["dtypes"] = dtypes;
     o["scalar_test_values"] = scalars;
     o["backends"] = backends;
+    // The protocol a backend implements (docs/adding_an_op.md).
+    o["forward_schema"] = e.contract.forward_schema;
+    o["backward_schema"] = e.contract.backward_schema;
+    o["outputs"] = e.contract.outputs;
+    o["extras"] = e.contract.extras;
+    o["saved"] = e.contract.saved;
+    py::list diff;
+    for (const auto& a : e.contract.tensor_args) {
+      if (a.differentiable && !e.contract.shared_grads.count(a.name)) diff.append(a.name);
+    }
+    o["gradients"] = diff;
+    o["variant_args"] = e.contract.variant_args;
+    o["defined_in_python"] = !e.contract.source_hash.empty();
     out.append(o);
   }
   return out;
@@ -115,16 +140,16 @@ void set_log_hook(py::object fn) {
   // The hook may run on any thread that calls an op; take the GIL, and never let a Python error
   // escape into the dispatcher.
   auto holder = std::make_shared<py::object>(std::move(fn));
-  Dispatcher::get().set_log_hook([holder](LogLevel level, const std::string& op,
-                                          const std::string& msg) {
-    if (!Py_IsInitialized()) return;
-    py::gil_scoped_acquire gil;
-    try {
-      (*holder)(level == LogLevel::kWarning ? "warning" : "info", op, msg);
-    } catch (py::error_already_set& err) {
-      err.discard_as_unraisable("kernelgate log hook");
-    }
-  });
+  Dispatcher::get().set_log_hook(
+      [holder](LogLevel level, const std::string& op, const std::string& msg) {
+        if (!Py_IsInitialized()) return;
+        py::gil_scoped_acquire gil;
+        try {
+          (*holder)(level == LogLevel::kWarning ? "warning" : "info", op, msg);
+        } catch (py::error_already_set& err) {
+          err.discard_as_unraisable("kernelgate log hook");
+        }
+      });
 }
 
 py::dict fingerprint_dict(const store::Fingerprint& f) {
@@ -156,8 +181,9 @@ py::dict run_sweep(const std::string& op, const std::vector<std::string>& backen
   if (grid != "smoke" && grid != "quick" && grid != "full") {
     throw py::value_error("grid must be 'smoke', 'quick' or 'full', got '" + grid + "'");
   }
-  o.grid = grid == "full" ? harness::Grid::kFull
-                          : grid == "smoke" ? harness::Grid::kSmoke : harness::Grid::kQuick;
+  o.grid = grid == "full"    ? harness::Grid::kFull
+           : grid == "smoke" ? harness::Grid::kSmoke
+                             : harness::Grid::kQuick;
   o.seeds = seeds;
   o.shard_index = shard_index;
   o.shard_count = shard_count;
@@ -173,13 +199,25 @@ py::dict run_sweep(const std::string& op, const std::vector<std::string>& backen
       progress(done, total, what);
     };
   }
+  // Ctrl-C reaches Python's handler, which only flags it: the sweep asks between polls, and
+  // stops with what it stored kept; the KeyboardInterrupt is raised here.
+  bool interrupted = false;
+  o.interrupted = [&interrupted] {
+    py::gil_scoped_acquire gil;
+    if (PyErr_CheckSignals() != 0) interrupted = true;
+    return interrupted;
+  };
   harness::SweepReport r;
-  {
+  try {
     py::gil_scoped_release release;
     r = harness::sweep(o);
+  } catch (const harness::Interrupted&) {
+    if (PyErr_Occurred() == nullptr) PyErr_SetNone(PyExc_KeyboardInterrupt);
+    throw py::error_already_set();
   }
   py::dict d;
   d["fingerprint_id"] = r.fingerprint_id;
+  d["fingerprint_ids"] = r.fingerprint_ids;
   d["planned"] = r.planned;
   d["skipped"] = r.skipped;
   d["dispositions"] = r.dispositions;
@@ -188,42 +226,19 @@ py::dict run_sweep(const std::string& op, const std::vector<std::string>& backen
   return d;
 }
 
-std::vector<store::Result> evidence_rows(const std::string& db, const std::vector<std::string>& shipped,
-                                         const std::string& op, py::list* notes) {
-  std::vector<store::Result> rows;
-  auto opened = store::Store::open(db, store::Mode::kReadOnly);
-  if (opened) {
-    rows = harness::usable_rows(*opened.store, /*shipped=*/false, op);
-    notes->append("store " + db + ": " + std::to_string(rows.size()) + " rows for this fingerprint");
-  } else {
-    notes->append("store not used: " + opened.problem);
-  }
-  // Shipped evidence serves the regions the user's store does not cover, as in the dispatcher.
-  std::set<std::string> covered;
-  for (const auto& r : rows) covered.insert(r.region);
-  for (const auto& path : shipped) {
-    auto s = store::Store::open(path, store::Mode::kReadOnly);
-    if (!s) {
-      notes->append("shipped evidence not used: " + s.problem);
-      continue;
-    }
-    size_t used = 0;
-    for (auto& r : harness::usable_rows(*s.store, /*shipped=*/true, op)) {
-      if (covered.count(r.region)) continue;
-      rows.push_back(std::move(r));
-      ++used;
-    }
-    notes->append("shipped evidence " + path + ": " + std::to_string(used) + " rows apply");
-  }
-  return rows;
-}
-
+// The regions the dispatcher's evidence source (LazyEvidencePolicy) would load for `op`: the
+// same usable evidence, the same derivation, each region with the provenance explain shows.
 py::dict policy_regions(const std::string& op, const std::string& db,
                         const std::vector<std::string>& shipped) {
+  const auto evidence = harness::usable_evidence(db, shipped, harness::current_fingerprints(op));
   py::list notes;
-  auto rows = evidence_rows(db, shipped, op, &notes);
+  for (const auto& p : evidence.problems) notes.append(p);
+  for (const auto& n : evidence.notes) notes.append(n);
+  auto derived = harness::derive_policy(evidence);  // set by set; listed by region, as ever
+  std::stable_sort(derived.begin(), derived.end(),
+                   [](const auto& a, const auto& b) { return a.region < b.region; });
   py::list regions;
-  for (const auto& r : harness::derive_policy(rows)) {
+  for (const auto& r : derived) {
     py::list standings;
     for (const auto& s : r.standings) {
       py::dict d;
@@ -243,6 +258,7 @@ py::dict policy_regions(const std::string& op, const std::string& db,
     d["comparison"] = r.comparison;
     d["margin"] = r.margin;
     d["standings"] = standings;
+    d["evidence"] = r.evidence;
     regions.append(d);
   }
   py::dict out;
@@ -266,28 +282,13 @@ py::dict store_status(const std::string& db) {
   d["usable"] = static_cast<bool>(opened);
   d["problem"] = opened.problem;
   if (!opened) return d;
-  // Each op's evidence has its own fingerprint (its source hash): a stored fingerprint is stale
-  // when it is current for no op, and is explained against the op it differs from least.
-  int64_t current_results = 0;
-  std::map<std::string, store::StaleFingerprint> stale_for_all;
-  std::map<std::string, int> stale_count;
-  const auto ops = Dispatcher::get().op_names();
-  for (const auto& op : ops) {
-    auto report = opened.store->stale(harness::current_fingerprint(op));
-    current_results += report.current_results;
-    for (const auto& s : report.stale) {
-      stale_count[s.id]++;
-      auto it = stale_for_all.find(s.id);
-      if (it == stale_for_all.end() || s.differences.size() < it->second.differences.size()) {
-        stale_for_all[s.id] = s;
-      }
-    }
-  }
+  // Each (op, backend)'s evidence has its own fingerprint: a stored one is stale for the rows
+  // that are current for none.
+  const auto standing = harness::store_standing(*opened.store, harness::current_fingerprints());
   d["schema_version"] = opened.store->schema_version();
-  d["current_results"] = current_results;
+  d["current_results"] = standing.current_results;
   py::list stale;
-  for (const auto& [id, s] : stale_for_all) {
-    if (stale_count[id] != static_cast<int>(ops.size())) continue;  // current for some op
+  for (const auto& s : standing.stale) {
     py::dict e;
     e["id"] = s.id;
     e["gpu_name"] = s.fingerprint.gpu_name;
@@ -317,9 +318,10 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "kernelgate engine bindings";
   m.def("ops", &ops, "Ops, their contracts and backends with availability");
   m.def("explain", &explain, py::arg("op"), py::arg("tensors"), py::arg("grad") = false,
-        py::arg("strings") = std::map<std::string, std::string>{},
+        py::arg("strings") = std::map<std::string, std::string>{}, py::arg("device") = py::none(),
         "The decision for a call, with every candidate's reason");
-  m.def("force", [](const std::string& op, const std::string& b) { Dispatcher::get().force(op, b); });
+  m.def("force",
+        [](const std::string& op, const std::string& b) { Dispatcher::get().force(op, b); });
   m.def("exclude",
         [](const std::string& op, const std::string& b) { Dispatcher::get().exclude(op, b); });
   m.def("get_overrides", [] {
@@ -334,13 +336,13 @@ PYBIND11_MODULE(_C, m) {
   m.def("reset_log_once", [] { Dispatcher::get().reset_log_once(); });
   m.def(
       "add_policy_rule",
-      [](const std::string& op, const std::vector<std::string>& ranked, int arch,
-         py::object dtype, const std::vector<int>& max_buckets, int align, int grad,
-         const std::string& evidence) {
+      [](const std::string& op, const std::vector<std::string>& ranked, int arch, py::object dtype,
+         const std::vector<int>& max_buckets, int align, int grad, const std::string& evidence) {
         find(op);
         int st = -1;
         if (!dtype.is_none()) {
-          if (!THPDtype_Check(dtype.ptr())) throw py::type_error("dtype must be a torch.dtype or None");
+          if (!THPDtype_Check(dtype.ptr()))
+            throw py::type_error("dtype must be a torch.dtype or None");
           st = static_cast<int>(reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type);
         }
         PolicyRule r{op, arch, st, max_buckets, align, grad, ranked, evidence};
@@ -352,9 +354,15 @@ PYBIND11_MODULE(_C, m) {
   m.def("clear_policy", [] { Dispatcher::get().clear_policy(); });
   m.def("describe_policy", [] { return Dispatcher::get().describe_policy(); });
   m.def("cuda_arch", &cuda_arch);
-  m.def("fingerprint", [](const std::string& op) { return fingerprint_dict(harness::current_fingerprint(op)); },
-        py::arg("op") = "");
-  m.def("default_db_path", &store::Store::default_path);
+  m.def(
+      "fingerprint",
+      [](const std::string& op, const std::string& backend) {
+        return fingerprint_dict(harness::current_fingerprint(op, backend));
+      },
+      py::arg("op") = "", py::arg("backend") = "");
+  // Bytes: KERNELGATE_DB may be any bytes (Python decodes them as file names: os.fsdecode).
+  m.def("default_db_path", [] { return py::bytes(store::Store::default_path()); });
+  m.def("op_source_files", &harness::op_source_files);
   m.def("sweep", &run_sweep);
   m.def("load_plugin", [](const std::string& path) { harness::load_backend_plugin(path); });
   m.def("policy_regions", &policy_regions);
@@ -373,6 +381,99 @@ PYBIND11_MODULE(_C, m) {
   });
   m.def("use_evidence", [](const std::string& db, const std::vector<std::string>& shipped) {
     Dispatcher::get().set_policy(std::make_shared<harness::LazyEvidencePolicy>(db, shipped));
+  });
+  // The harness in this process (tests; the contract suite): cases, one run, a case's call, and
+  // the tolerance rule.
+  m.def(
+      "make_cases",
+      [](const std::string& op, const std::string& grid, const std::vector<std::string>& dtypes,
+         int seeds, int64_t max_elements) {
+        if (grid != "smoke" && grid != "quick" && grid != "full") {
+          throw py::value_error("grid must be 'smoke', 'quick' or 'full', got '" + grid + "'");
+        }
+        const auto g = grid == "full"    ? harness::Grid::kFull
+                       : grid == "smoke" ? harness::Grid::kSmoke
+                                         : harness::Grid::kQuick;
+        std::vector<std::pair<std::string, std::string>> out;
+        for (const auto& c : harness::make_cases(op, g, dtypes, seeds, max_elements)) {
+          out.emplace_back(c.id() + "/seed=" + std::to_string(c.seed), c.encode());
+        }
+        return out;
+      },
+      py::arg("op"), py::arg("grid") = "smoke", py::arg("dtypes") = std::vector<std::string>{},
+      py::arg("seeds") = 1, py::arg("max_elements") = int64_t{1} << 20);
+  m.def(
+      "run_case",
+      [](const std::string& encoded, const std::string& backend, bool time) {
+        std::string problem;
+        auto c = harness::Case::decode(encoded, &problem);
+        if (!c) throw py::value_error("bad case: " + problem);
+        harness::RunOptions o;
+        o.time = time;
+        harness::Measured m;
+        {
+          py::gil_scoped_release release;
+          m = harness::run_case(*c, backend, o);
+        }
+        py::dict d;
+        d["disposition"] = std::string(store::to_string(m.disposition));
+        d["reason"] = m.reason;
+        d["region"] = m.region;
+        d["max_rel_l2"] = m.max_rel_l2;
+        d["max_max_over_rms"] = m.max_max_over_rms;
+        return d;
+      },
+      py::arg("case"), py::arg("backend"), py::arg("time") = false);
+  m.def(
+      "case_arguments",
+      [](const std::string& encoded, bool on_gpu, bool float64) {
+        std::string problem;
+        auto c = harness::Case::decode(encoded, &problem);
+        if (!c) throw py::value_error("bad case: " + problem);
+        auto a = harness::case_arguments(*c, on_gpu, float64);
+        py::list args;
+        for (const auto& v : a.args) args.append(torch::jit::toPyObject(v));
+        py::list leaves;
+        for (const auto& t : a.leaves) leaves.append(t.defined() ? py::cast(t) : py::none());
+        return py::make_tuple(args, leaves);
+      },
+      py::arg("case"), py::arg("on_gpu") = false, py::arg("float64") = false);
+  m.def("check_against_oracle",
+        [](const std::string& name, const at::Tensor& got, const at::Tensor& ref,
+           const at::Tensor& oracle, py::object dtype) {
+          if (!THPDtype_Check(dtype.ptr())) throw py::type_error("dtype must be a torch.dtype");
+          auto r = harness::check_against_oracle(
+              name, got, ref, oracle, reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type);
+          py::dict d;
+          d["failure"] = r.failure;
+          d["rel_l2"] = r.rel_l2;
+          d["max_over_rms"] = r.max_over_rms;
+          d["ref_rel_l2"] = r.ref_rel_l2;
+          d["ref_max_over_rms"] = r.ref_max_over_rms;
+          return d;
+        });
+  m.def("fast_op", [](const std::string& name, py::object fallback) {
+    auto op = std::make_shared<FastOp>(name);
+    // A builtin function (torch.compile can substitute it), falling back to `fallback` (the
+    // torch.ops overload) for what it does not take.
+    return py::cpp_function(
+        [op, fallback](py::args args, py::kwargs kwargs) -> py::object {
+          if (kwargs.empty()) {
+            py::object out = op->call(args);
+            if (!out.is(py::handle(Py_NotImplemented))) return out;
+          }
+          return fallback(*args, **kwargs);
+        },
+        py::name(name.c_str()));
+  });
+  m.def("register_backend", &register_python_backend, py::arg("op"), py::arg("name"),
+        py::arg("forward"), py::arg("backward"), py::arg("can_implement"), py::arg("available"),
+        py::arg("reason"), py::arg("version"));
+  m.def("define_op", [](const py::dict& spec) { return static_cast<int>(define_python_op(spec)); });
+  m.def("die_with_parent", &harness::die_with_parent);
+  m.def("serve_worker", [] {
+    py::gil_scoped_release release;  // Python backends take it when they run
+    return harness::serve_worker();
   });
   py::register_exception<store::StoreError>(m, "StoreError", PyExc_RuntimeError);
 }

@@ -27,7 +27,10 @@ namespace kernelgate::store {
 
 // The schema version this code writes; stores at a lower version are migrated on read-write
 // open, stores at a higher one are refused.
-inline constexpr int kSchemaVersion = 1;
+inline constexpr int kSchemaVersion = 2;
+// The version of the JSON exchange document (export_json / import_json): its rows are the
+// fingerprints, runs and results, unchanged since schema version 1.
+inline constexpr int kExchangeVersion = 1;
 
 // 16 hex digits: FNV-1a 64 of `bytes`; stable across machines and processes.
 std::string fnv1a64_hex(std::string_view bytes);
@@ -43,8 +46,9 @@ struct Fingerprint {
   std::string torch_version;
   std::string kernelgate_version;
   std::string source_hash;
-  std::map<std::string, std::string> backend_versions;  // Python package -> version
-  std::string clocks_seen;                              // informational only: not part of id()
+  // Backend -> its version (BackendDesc::version), for a backend with one whose rows these are.
+  std::map<std::string, std::string> backend_versions;
+  std::string clocks_seen;  // informational only: not part of id()
 
   // 16 hex digits: FNV-1a 64 of a versioned, length-prefixed serialisation of every field but
   // clocks_seen. Equal on every machine and process for equal fields.
@@ -141,6 +145,9 @@ class StoreError : public std::runtime_error {
 struct Migration {
   int to_version;
   std::string_view sql;
+  // The step adds only what writers use (e.g. sweep claims): a store not yet migrated past it
+  // still reads the same, so a read-only open (which never migrates) accepts it.
+  bool readers_unaffected = false;
 };
 // The ordered steps of this build; the last one's to_version is kSchemaVersion. Steps are
 // append-only: a released step is never edited.
@@ -188,11 +195,22 @@ class Store {
   // overwritten (invariant 3).
   void add_result(int64_t run_id, const Result& result);
 
+  // Concurrent sweeps share work by claiming each (op, backend, case_id) of a fingerprint before
+  // running it. kDone: a result is already stored. kTaken: another live owner claimed it less
+  // than stale_after_s ago (an owner on this host whose process is gone is never live). kMine:
+  // the claim is this Store's now. add_result() drops the claim of what it stores.
+  enum class Claim { kMine, kDone, kTaken };
+  Claim claim(const std::string& fingerprint_id, const std::string& op, const std::string& backend,
+              const std::string& case_id, int64_t stale_after_s);
+
   // Whether any run of this fingerprint recorded (op, backend, case_id): resumable sweeps.
   bool has_result(const std::string& fingerprint_id, const std::string& op,
                   const std::string& backend, const std::string& case_id) const;
   // Rows of this fingerprint only, in insertion order; op "" means every op.
   std::vector<Result> results(const std::string& fingerprint_id, const std::string& op = "") const;
+  // How many rows of this fingerprint each (op, backend) has.
+  std::map<std::pair<std::string, std::string>, int64_t> result_counts(
+      const std::string& fingerprint_id) const;
   std::optional<Fingerprint> fingerprint(const std::string& fingerprint_id) const;
   StaleReport stale(const Fingerprint& current) const;
 
@@ -201,9 +219,9 @@ class Store {
   // (a fingerprint whose fields do not hash to its id, a dangling reference), adds nothing.
   MergeStats merge(const std::string& other_path);
   // A self-describing JSON document: {"format": "kernelgate-evidence", "schema_version": 1,
-  // "fingerprints": [...], "runs": [...], "results": [...]}, one row per line, rows in the
-  // order they were stored. NaN metrics are null, infinities "inf" / "-inf". Written to a
-  // temporary file and renamed into place.
+  // (kExchangeVersion) "fingerprints": [...], "runs": [...], "results": [...]}, one row per line,
+  // rows in the order they were stored. NaN metrics are null, infinities "inf" / "-inf". Written to
+  // a temporary file and renamed into place.
   void export_json(const std::string& json_path) const;
   // Reads what export_json() writes (members it does not know are ignored; "format" and
   // "schema_version" must come first, and rows may only name rows listed before them). All or
@@ -217,6 +235,7 @@ class Store {
   std::string path_;
   Mode mode_;
   int schema_version_;
+  std::string owner_;  // random, per Store: whose claims are ours
 };
 
 }  // namespace kernelgate::store

@@ -9,7 +9,6 @@
 #include <thread>
 
 #include "kernelgate/dispatch.h"
-#include "kernelgate/kernelgate.h"
 
 namespace kernelgate {
 namespace {
@@ -17,6 +16,18 @@ namespace {
 // "even_only" implements only calls whose hidden size is even; "any" implements everything.
 Support even_only(const CallView& call) {
   return call.tensors[0]->size(-1) % 2 == 0 ? Support::yes() : Support::no("hidden is odd");
+}
+
+// Backends here are only chosen, never run.
+class NoCode final : public BackendImpl {
+ public:
+  void forward(torch::jit::Stack&, GradRequest) const override {}
+  void backward(torch::jit::Stack&, GradRequest) const override {}
+  bool has_backward() const override { return true; }
+};
+
+BackendDesc fake(const char* name, BackendKind kind, std::function<Support(const CallView&)> can) {
+  return {name, kind, nullptr, std::move(can), std::make_shared<NoCode>(), ""};
 }
 
 struct Env {
@@ -32,13 +43,18 @@ struct Env {
     c.schema = "kgtest_scale(Tensor x, Tensor? w=None) -> Tensor";
     c.dims = "x: [*rows, hidden]; w?: [hidden]";
     c.dtypes = {at::kFloat, at::kBFloat16};
-    op = d.add_op(c, BackendDesc{"reference", BackendKind::kReference, nullptr, nullptr});
-    any_index = d.add_backend(op, {"any", BackendKind::kKernelgate, nullptr,
-                                   [](const CallView&) { return Support::yes(); }});
-    even_index = d.add_backend(op, {"even_only", BackendKind::kKernelgate, nullptr, even_only});
-    missing_index = d.add_backend(op, {"missing", BackendKind::kPython,
-                                       [] { return Support::no("package not installed"); },
-                                       [](const CallView&) { return Support::yes(); }});
+    op = d.add_op(c);
+    d.add_backend(op, fake("reference", BackendKind::kReference, nullptr));
+    any_index = d.add_backend(
+        op, fake("any", BackendKind::kKernelgate, [](const CallView&) { return Support::yes(); }));
+    even_index = d.add_backend(op, fake("even_only", BackendKind::kKernelgate, even_only));
+    BackendDesc missing{"missing",
+                        BackendKind::kPython,
+                        [] { return Support::no("package not installed"); },
+                        nullptr,
+                        nullptr,
+                        ""};
+    missing_index = d.add_backend(op, std::move(missing));
   }
 };
 
@@ -178,8 +194,8 @@ TEST_F(DispatcherTest, RuleFieldsRestrictWhereItApplies) {
   r.grad = 0;
   env().d.add_policy_rule(r);
   EXPECT_EQ(select(at::randn({4, 64}, at::kBFloat16)), env().any_index);
-  EXPECT_EQ(select(at::randn({4, 65}, at::kBFloat16)), 0);  // bucket 7
-  EXPECT_EQ(select(at::randn({4, 64})), 0);                  // float32
+  EXPECT_EQ(select(at::randn({4, 65}, at::kBFloat16)), 0);                      // bucket 7
+  EXPECT_EQ(select(at::randn({4, 64})), 0);                                     // float32
   EXPECT_EQ(select(at::randn({4, 64}, at::kBFloat16), std::nullopt, true), 0);  // grad
 }
 
@@ -207,7 +223,7 @@ TEST_F(DispatcherTest, ReasonLoggedExactlyOnceAfterManyCalls) {
   rank({"even_only"});
   for (int i = 0; i < 1000; ++i) {
     select(at::randn({1 + i % 7, 2 * (i % 5) + 1}));  // odd hidden, many keys
-    select(at::randn({2, 8}, at::kBFloat16));          // served by even_only: nothing to log
+    select(at::randn({2, 8}, at::kBFloat16));         // served by even_only: nothing to log
   }
   EXPECT_EQ(count_logs("even_only cannot implement this call (hidden is odd)"), 1u);
   env().d.clear_policy();
@@ -229,8 +245,8 @@ TEST_F(DispatcherTest, EnvForceAndExclude) {
 
 TEST_F(DispatcherTest, MalformedEnvWarnsOnceAndUsesDefault) {
   rank({"any"});
-  const char* bad[] = {"kgtest_scale=",  "=any",          ",",   "kgtest_scale=nope",
-                       "no_op=any",      "nope",          "any,", "kgtest_scale=any,,x"};
+  const char* bad[] = {"kgtest_scale=", "=any", ",",    "kgtest_scale=nope",
+                       "no_op=any",     "nope", "any,", "kgtest_scale=any,,x"};
   for (const char* value : bad) {
     env().d.reset_log_once();
     {
@@ -263,8 +279,8 @@ TEST_F(DispatcherTest, SixteenThreadsConcurrently) {
         at::Tensor x = at::empty({1 + (i % 9), hidden});
         int b = select(x);
         // The policy's pick or, while the other thread forces it, "any"; never the reference.
-        bool ok = b == (hidden % 2 == 0 ? env().even_index : env().any_index) ||
-                  b == env().any_index;
+        bool ok =
+            b == (hidden % 2 == 0 ? env().even_index : env().any_index) || b == env().any_index;
         if (!ok) ++wrong;
       }
     });
@@ -353,12 +369,26 @@ TEST(Contract, CheckCallNamesArgumentExpectedAndGot) {
   EXPECT_EQ(check_error(at::randn({2, 3, 8}), at::randn({8})), "");
 }
 
-TEST(RmsNormCpp, PublicApiRunsAndMatchesReferenceBackend) {
-  at::Tensor x = at::randn({5, 37});
-  at::Tensor w = at::randn({37});
-  at::Tensor y = rms_norm(x, w, 1e-6);
-  at::Tensor expected = x * at::rsqrt(x.square().mean(-1, true) + 1e-6) * w;
-  EXPECT_TRUE(at::allclose(y, expected, 1e-5, 1e-5));
+TEST(Registry, ReferenceComesFirstAndOnlyOnce) {
+  Dispatcher& d = Dispatcher::get();
+  OpContract c;
+  c.name = "kgtest_registry";
+  c.schema = "kgtest_registry(Tensor x) -> Tensor";
+  c.dims = "x: [n]";
+  c.dtypes = {at::kFloat};
+  OpId op = d.add_op(c);
+  EXPECT_THROW(d.add_backend(op, fake("any", BackendKind::kKernelgate, nullptr)), c10::Error);
+  d.add_backend(op, fake("reference", BackendKind::kReference, nullptr));
+  EXPECT_THROW(d.add_backend(op, fake("second", BackendKind::kReference, nullptr)), c10::Error);
+  EXPECT_THROW(d.add_backend(op, fake("reference", BackendKind::kKernelgate, nullptr)), c10::Error);
+  EXPECT_THROW(d.add_op(c), c10::Error);  // one op per name
+}
+
+TEST(Registry, CoreKnowsNoOp) {
+  // This test binary links the core alone: no op registers itself into it.
+  for (const auto& name : Dispatcher::get().op_names()) {
+    EXPECT_EQ(name.rfind("kgtest_", 0), 0u) << name;
+  }
 }
 
 }  // namespace

@@ -1,8 +1,8 @@
 // Policy derivation from stored results (a pure function of the rows): eligibility, ranking,
-// ties within noise, fail-closed, and the shipped-evidence rule.
+// ties within noise, fail-closed. Which rows are usable: test_evidence.cpp.
 #include <gtest/gtest.h>
 
-#include "harness/sweep.h"
+#include "harness/evidence.h"
 
 namespace kernelgate::harness {
 namespace {
@@ -31,9 +31,10 @@ const RegionPolicy& only(const std::vector<RegionPolicy>& p) {
 }
 
 TEST(Policy, RanksByTimeFastestFirst) {
-  auto p = derive_policy({row("reference", "a/seed=0", 30), row("reference", "b/seed=0", 60),
-                          row("aten", "a/seed=0", 20), row("aten", "b/seed=0", 40),
-                          row("kernelgate_cpu", "a/seed=0", 10), row("kernelgate_cpu", "b/seed=0", 20)});
+  auto p =
+      derive_policy({row("reference", "a/seed=0", 30), row("reference", "b/seed=0", 60),
+                     row("aten", "a/seed=0", 20), row("aten", "b/seed=0", 40),
+                     row("kernelgate_cpu", "a/seed=0", 10), row("kernelgate_cpu", "b/seed=0", 20)});
   const auto& r = only(p);
   EXPECT_EQ(r.ranked, (std::vector<std::string>{"kernelgate_cpu", "aten", "reference"}));
   EXPECT_NEAR(r.margin, 1.0, 1e-9);  // aten takes twice as long
@@ -73,7 +74,8 @@ TEST(Policy, AnyFailureInTheRegionFailsClosed) {
 }
 
 TEST(Policy, UntimedPassesProveCorrectnessNotSpeed) {
-  auto p = derive_policy({row("validated_only", "a/untimed/seed=0", 0), row("reference", "a/seed=0", 10)});
+  auto p = derive_policy(
+      {row("validated_only", "a/untimed/seed=0", 0), row("reference", "a/seed=0", 10)});
   EXPECT_EQ(only(p).ranked, std::vector<std::string>{"reference"});
 }
 
@@ -88,36 +90,10 @@ TEST(Policy, RegionsAreIndependent) {
 }
 
 TEST(Policy, UnsupportedRowsAreNotFailures) {
-  auto p = derive_policy({row("gpu_only", "a/seed=0", 0, Disposition::kUnsupported),
-                          row("reference", "a/seed=0", 5)});
+  auto p = derive_policy(
+      {row("gpu_only", "a/seed=0", 0, Disposition::kUnsupported), row("reference", "a/seed=0", 5)});
   EXPECT_EQ(only(p).ranked, std::vector<std::string>{"reference"});
   for (const auto& s : only(p).standings) EXPECT_NE(s.backend, "gpu_only");
-}
-
-TEST(Policy, ShippedEvidenceRule) {
-  store::Fingerprint ours;
-  ours.gpu_name = "NVIDIA H200";
-  ours.compute_capability = "9.0";
-  ours.sm_count = 132;
-  ours.memory_bytes = 150000000000;
-  ours.driver = "13.0";
-  ours.cuda_runtime = "13.0";
-  ours.torch_version = "2.11.0";
-  ours.kernelgate_version = "0.1.0";
-  ours.source_hash = "abc";
-  store::Fingerprint user = ours;
-  user.driver = "13.1";
-  user.memory_bytes = 140000000000;
-  EXPECT_TRUE(shipped_evidence_applies(ours, user));  // another driver: same kernels, same chip
-  for (auto change : std::vector<std::function<void(store::Fingerprint&)>>{
-           [](auto& f) { f.gpu_name = "NVIDIA H100 80GB HBM3"; },
-           [](auto& f) { f.compute_capability = "8.0"; }, [](auto& f) { f.sm_count = 114; },
-           [](auto& f) { f.torch_version = "2.12.0"; }, [](auto& f) { f.source_hash = "def"; },
-           [](auto& f) { f.cuda_runtime = "12.8"; }}) {
-    store::Fingerprint other = user;
-    change(other);
-    EXPECT_FALSE(shipped_evidence_applies(ours, other)) << other.gpu_name;
-  }
 }
 
 }  // namespace

@@ -3,16 +3,24 @@
 // idempotent and all-or-nothing.
 #include <gtest/gtest.h>
 #include <sqlite3.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <limits>
+#include <map>
 #include <random>
 #include <set>
 #include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "store/store.h"
 
@@ -336,6 +344,24 @@ TEST_F(StoreTest, HasResultForResume) {
   EXPECT_TRUE(store->has_result(fp.id(), "rms_norm", "kernelgate", "case-7"));
 }
 
+TEST_F(StoreTest, ResultCountsPerOpAndBackendOfOneFingerprint) {
+  auto store = open_rw("counts.sqlite");
+  Fingerprint fp = sample_fingerprint(), other = sample_fingerprint();
+  other.driver = "999";
+  int64_t run = store->begin_run(fp, "sweep"), other_run = store->begin_run(other, "sweep");
+  for (int i = 0; i < 3; ++i) store->add_result(run, sample_result(i));
+  Result liger = sample_result(0);
+  liger.backend = "liger";
+  store->add_result(run, liger);
+  store->add_result(other_run, sample_result(0));
+  using Key = std::pair<std::string, std::string>;
+  EXPECT_EQ(store->result_counts(fp.id()),
+            (std::map<Key, int64_t>{{{"rms_norm", "kernelgate"}, 3}, {{"rms_norm", "liger"}, 1}}));
+  EXPECT_EQ(store->result_counts(other.id()),
+            (std::map<Key, int64_t>{{{"rms_norm", "kernelgate"}, 1}}));
+  EXPECT_TRUE(store->result_counts("0000000000000000").empty());
+}
+
 TEST_F(StoreTest, ResultsAreNeverOverwritten) {
   auto store = open_rw("d.sqlite");
   int64_t run = store->begin_run(sample_fingerprint(), "x");
@@ -510,7 +536,7 @@ TEST_F(StoreTest, PathsWithUriCharactersWork) {
 TEST_F(StoreTest, NewerSchemaIsRefusedUntouched) {
   const std::string file = make_store("n.sqlite", 2, sample_fingerprint());
   raw_sql(file, "UPDATE meta SET value = '7' WHERE key = 'schema_version'");
-  expect_refused(file, "schema version 7, newer than 1");
+  expect_refused(file, "schema version 7, newer than " + std::to_string(kSchemaVersion));
 }
 
 TEST_F(StoreTest, ReadOnlyOpenOfMissingFileCreatesNothing) {
@@ -520,53 +546,180 @@ TEST_F(StoreTest, ReadOnlyOpenOfMissingFileCreatesNothing) {
   EXPECT_TRUE(files().empty());
 }
 
-TEST_F(StoreTest, ReadWriteOpenCreatesDirectoriesAndAcceptsAnEmptyFile) {
+TEST_F(StoreTest, ReadWriteOpenCreatesANewPathWithItsDirectories) {
   auto deep = Store::open(path("a/b/c/evidence.sqlite"), Mode::kReadWrite);
   ASSERT_TRUE(deep) << deep.problem;
   EXPECT_EQ(deep.store->schema_version(), kSchemaVersion);
+  EXPECT_EQ(raw_sql(path("a/b/c/evidence.sqlite"), "PRAGMA application_id"), "1262962006\n");
+  EXPECT_EQ(raw_sql(path("a/b/c/evidence.sqlite"), "PRAGMA journal_mode"), "wal\n");
+}
+
+// Only a new path or a kernelgate store is written: an existing empty file, or an SQLite file
+// with no tables, is someone's, and stays byte for byte as it was.
+TEST_F(StoreTest, AnExistingFileThatIsNoStoreIsNeverTakenOver) {
   write_bytes(path("empty.sqlite"), "");
-  EXPECT_FALSE(Store::open(path("empty.sqlite"), Mode::kReadOnly));
-  auto empty = Store::open(path("empty.sqlite"), Mode::kReadWrite);
-  ASSERT_TRUE(empty) << empty.problem;
-  EXPECT_EQ(raw_sql(path("empty.sqlite"), "PRAGMA application_id"), "1262962006\n");
-  EXPECT_EQ(raw_sql(path("empty.sqlite"), "PRAGMA journal_mode"), "wal\n");
+  expect_refused(path("empty.sqlite"), "exists but is not a kernelgate store");
+  raw_sql(path("tableless.sqlite"), "PRAGMA user_version = 7");  // a valid database, no tables
+  expect_refused(path("tableless.sqlite"), "exists but is not a kernelgate store");
+}
+
+// A path that is not a regular file is refused from its type alone: nothing opens it (a FIFO
+// would block the open forever, a device would gain a -journal beside it).
+TEST_F(StoreTest, APathThatIsNoRegularFileIsRefusedWithoutBeingOpened) {
+  ASSERT_EQ(mkfifo(path("fifo").c_str(), 0600), 0);
+  fs::create_directory(path("dir"));
+  fs::create_symlink(path("missing.sqlite"), path("dangling"));
+  const std::pair<std::string, std::string> cases[] = {
+      {path("fifo"), "is a FIFO"},
+      {path("dir"), "is a directory"},
+      {path("dangling"), "is a symbolic link to a missing file"},
+      {"/dev/null", "is a character device"},
+  };
+  for (const auto& [file, why] : cases) {
+    for (Mode mode : {Mode::kReadOnly, Mode::kReadWrite}) {
+      OpenResult r = Store::open(file, mode);
+      EXPECT_FALSE(r) << file;
+      EXPECT_NE(r.problem.find(why), std::string::npos) << r.problem;
+    }
+  }
+  EXPECT_FALSE(fs::exists("/dev/null-journal"));
+  EXPECT_FALSE(fs::exists(path("missing.sqlite")));
+  EXPECT_TRUE(fs::is_fifo(path("fifo")));
+  // A link to a store is the store.
+  make_store("real.sqlite", 2, sample_fingerprint());
+  fs::create_symlink(path("real.sqlite"), path("link.sqlite"));
+  OpenResult through = Store::open(path("link.sqlite"), Mode::kReadWrite);
+  ASSERT_TRUE(through) << through.problem;
+  EXPECT_EQ(through.store->results(sample_fingerprint().id()).size(), 2u);
+}
+
+// Export writes into what the user named: a new path or a regular file (through a link, which
+// stays a link); anything else is refused and left as it was.
+TEST_F(StoreTest, ExportNeverReplacesWhatThePathIs) {
+  make_store("s.sqlite", 3, sample_fingerprint());
+  OpenResult src = Store::open(path("s.sqlite"), Mode::kReadOnly);
+  ASSERT_TRUE(src) << src.problem;
+  ASSERT_EQ(mkfifo(path("fifo").c_str(), 0600), 0);
+  fs::create_directory(path("dir"));
+  for (const std::string target : {path("fifo"), path("dir"), std::string("/dev/null")}) {
+    try {
+      src.store->export_json(target);
+      ADD_FAILURE() << "exported to " << target;
+    } catch (const StoreError& e) {
+      EXPECT_NE(std::string(e.what()).find("export writes only a regular file or a new path"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+  EXPECT_TRUE(fs::is_fifo(path("fifo")));
+  EXPECT_TRUE(fs::is_directory(path("dir")));
+  EXPECT_TRUE(fs::is_character_file("/dev/null"));
+  write_bytes(path("old.json"), "old");
+  fs::create_symlink(path("old.json"), path("link.json"));
+  src.store->export_json(path("link.json"));
+  EXPECT_TRUE(fs::is_symlink(path("link.json")));
+  EXPECT_NE(read_bytes(path("old.json")).find("kernelgate-evidence"), std::string::npos);
+  src.store->export_json(path("new.json"));
+  EXPECT_EQ(read_bytes(path("new.json")), read_bytes(path("old.json")));
 }
 
 // ---- Migrations ----------------------------------------------------------------------------
 
 TEST_F(StoreTest, MigrationStepsRunInOrderAndRecordTheVersion) {
   const std::string file = make_store("m.sqlite", 5, sample_fingerprint());
+  constexpr int a = kSchemaVersion + 1, b = kSchemaVersion + 2;
   std::vector<Migration> steps(schema_migrations().begin(), schema_migrations().end());
-  steps.push_back({2, "CREATE TABLE probe (step INTEGER); INSERT INTO probe VALUES (2);"});
-  steps.push_back({3, "INSERT INTO probe VALUES (3); ALTER TABLE results ADD COLUMN note TEXT;"});
+  steps.push_back({a, "CREATE TABLE probe (step INTEGER); INSERT INTO probe VALUES (1);"});
+  steps.push_back({b, "INSERT INTO probe VALUES (2); ALTER TABLE results ADD COLUMN note TEXT;"});
 
   // A read-only open does not migrate.
   EXPECT_FALSE(Store::open(file, Mode::kReadOnly, steps));
   {
     OpenResult r = Store::open(file, Mode::kReadWrite, steps);
     ASSERT_TRUE(r) << r.problem;
-    EXPECT_EQ(r.store->schema_version(), 3);
+    EXPECT_EQ(r.store->schema_version(), b);
     EXPECT_EQ(r.store->results(sample_fingerprint().id()).size(), 5u);  // data kept
   }
-  EXPECT_EQ(raw_sql(file, "SELECT step FROM probe ORDER BY rowid"), "2\n3\n");
-  EXPECT_EQ(raw_sql(file, "SELECT value FROM meta WHERE key = 'schema_version'"), "3\n");
+  EXPECT_EQ(raw_sql(file, "SELECT step FROM probe ORDER BY rowid"), "1\n2\n");
+  EXPECT_EQ(raw_sql(file, "SELECT value FROM meta WHERE key = 'schema_version'"),
+            std::to_string(b) + "\n");
   // Reopening applies nothing twice.
   ASSERT_TRUE(Store::open(file, Mode::kReadWrite, steps));
   EXPECT_EQ(raw_sql(file, "SELECT count(*) FROM probe"), "2\n");
-  // This build (version 1) now refuses it.
+  // This build now refuses it.
   EXPECT_FALSE(Store::open(file, Mode::kReadWrite));
 }
 
 TEST_F(StoreTest, FailedMigrationChangesNothing) {
   const std::string file = make_store("fm.sqlite", 2, sample_fingerprint());
   std::vector<Migration> steps(schema_migrations().begin(), schema_migrations().end());
-  steps.push_back({2, "CREATE TABLE probe (x); INSERT INTO no_such_table VALUES (1);"});
+  steps.push_back(
+      {kSchemaVersion + 1, "CREATE TABLE probe (x); INSERT INTO no_such_table VALUES (1);"});
   OpenResult r = Store::open(file, Mode::kReadWrite, steps);
   EXPECT_FALSE(r);
-  EXPECT_NE(r.problem.find("migrating to schema version 2"), std::string::npos) << r.problem;
-  EXPECT_EQ(raw_sql(file, "SELECT value FROM meta WHERE key = 'schema_version'"), "1\n");
+  EXPECT_NE(r.problem.find("migrating to schema version " + std::to_string(kSchemaVersion + 1)),
+            std::string::npos)
+      << r.problem;
+  EXPECT_EQ(raw_sql(file, "SELECT value FROM meta WHERE key = 'schema_version'"),
+            std::to_string(kSchemaVersion) + "\n");
   EXPECT_EQ(raw_sql(file, "SELECT count(*) FROM sqlite_master WHERE name = 'probe'"), "0\n");
   EXPECT_TRUE(Store::open(file, Mode::kReadWrite));
+}
+
+// A store of schema version 1 (before sweep claims) reads as it is, read-only (shipped evidence
+// of an older build), and a read-write open migrates it.
+TEST_F(StoreTest, AVersionOneStoreIsReadWithoutMigrating) {
+  const std::string file = make_store("v1.sqlite", 3, sample_fingerprint());
+  raw_sql(file, "DROP TABLE claims; UPDATE meta SET value = '1' WHERE key = 'schema_version'");
+  {
+    OpenResult r = Store::open(file, Mode::kReadOnly);
+    ASSERT_TRUE(r) << r.problem;
+    EXPECT_EQ(r.store->schema_version(), 1);
+    EXPECT_EQ(r.store->results(sample_fingerprint().id()).size(), 3u);
+  }
+  EXPECT_EQ(raw_sql(file, "SELECT value FROM meta WHERE key = 'schema_version'"), "1\n");
+  OpenResult rw = Store::open(file, Mode::kReadWrite);
+  ASSERT_TRUE(rw) << rw.problem;
+  EXPECT_EQ(rw.store->schema_version(), kSchemaVersion);
+  EXPECT_EQ(raw_sql(file, "SELECT count(*) FROM sqlite_master WHERE name = 'claims'"), "1\n");
+}
+
+// ---- Claims: concurrent sweeps share the work ----------------------------------------------
+
+TEST_F(StoreTest, AClaimIsHeldUntilItsResultIsStored) {
+  make_store("c.sqlite", 0, sample_fingerprint());
+  auto first = open_rw("c.sqlite"), second = open_rw("c.sqlite");
+  const std::string fp = sample_fingerprint().id();
+  Result row = sample_result(0);
+  using Claim = Store::Claim;
+  EXPECT_EQ(first->claim(fp, row.op, row.backend, row.case_id, 600), Claim::kMine);
+  EXPECT_EQ(first->claim(fp, row.op, row.backend, row.case_id, 600),
+            Claim::kMine);  // again: still ours
+  EXPECT_EQ(second->claim(fp, row.op, row.backend, row.case_id, 600), Claim::kTaken);
+  EXPECT_EQ(second->claim(fp, row.op, "other", row.case_id, 600), Claim::kMine);  // another key
+  first->add_result(first->begin_run(sample_fingerprint(), "first"), row);
+  EXPECT_EQ(second->claim(fp, row.op, row.backend, row.case_id, 600), Claim::kDone);
+  EXPECT_EQ(raw_sql(path("c.sqlite"), "SELECT count(*) FROM claims"), "1\n");  // only 'other'
+}
+
+TEST_F(StoreTest, AStaleOrOrphanedClaimIsTakenOver) {
+  make_store("s.sqlite", 0, sample_fingerprint());
+  auto first = open_rw("s.sqlite"), second = open_rw("s.sqlite");
+  const std::string fp = sample_fingerprint().id();
+  using Claim = Store::Claim;
+  EXPECT_EQ(first->claim(fp, "op", "b", "c1", 600), Claim::kMine);
+  EXPECT_EQ(second->claim(fp, "op", "b", "c1", 0), Claim::kMine);  // older than 0 s: stale
+  // A claim of a process on this host that no longer exists is no one's.
+  pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    auto r = Store::open(path("s.sqlite"), Mode::kReadWrite);
+    _exit(r && r.store->claim(fp, "op", "b", "c2", 600) == Claim::kMine ? 0 : 1);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  EXPECT_EQ(first->claim(fp, "op", "b", "c2", 600), Claim::kMine);
 }
 
 // ---- Merge, export, import -----------------------------------------------------------------
@@ -712,6 +865,386 @@ TEST_F(StoreTest, ImportReadsHandWrittenJson) {
   ASSERT_EQ(rows.size(), 1u);
   EXPECT_EQ(rows[0].regime, "n\u00fc\U0001F600/");
   EXPECT_EQ(rows[0].max_rel_l2, -INFINITY);
+}
+
+// ---- JSON exchange: the document's edges ---------------------------------------------------
+
+class JsonExchangeTest : public StoreTest {
+ protected:
+  // The export of a store of one run of `count` results (passed, failed, passed, ...).
+  std::string exported(int count) {
+    make_store("src.sqlite", count, sample_fingerprint());
+    OpenResult src = Store::open(path("src.sqlite"), Mode::kReadOnly);
+    EXPECT_TRUE(src) << src.problem;
+    src.store->export_json(path("src.json"));
+    return read_bytes(path("src.json"));
+  }
+
+  // `text` with the last occurrence of `from` replaced: inside the last row that has it.
+  static std::string replaced(std::string text, const std::string& from, const std::string& to) {
+    size_t at = text.rfind(from);
+    EXPECT_NE(at, std::string::npos) << from;
+    return at == std::string::npos ? text : text.replace(at, from.size(), to);
+  }
+
+  // Importing `text` into a new store fails with a message naming the document and containing
+  // `reason_part`, and adds nothing (earlier rows of the document included).
+  void expect_import_refused(const std::string& text, const std::string& reason_part) {
+    SCOPED_TRACE(reason_part);
+    auto store = open_rw("dst-" + std::to_string(++imports_) + ".sqlite");
+    write_bytes(path("bad.json"), text);
+    try {
+      store->import_json(path("bad.json"));
+      ADD_FAILURE() << "imported: " << text.substr(0, 300);
+    } catch (const StoreError& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find(path("bad.json")), std::string::npos) << what;
+      EXPECT_NE(what.find(reason_part), std::string::npos) << what;
+      EXPECT_NE(what.find("nothing was imported"), std::string::npos) << what;
+    }
+    StaleReport report = store->stale(sample_fingerprint());
+    EXPECT_EQ(report.current_results, 0);
+    EXPECT_TRUE(report.stale.empty());
+    EXPECT_FALSE(store->fingerprint(sample_fingerprint().id()).has_value());
+  }
+
+  int imports_ = 0;
+};
+
+TEST_F(JsonExchangeTest, ExportWritesOneRowPerLine) {
+  const std::string text = exported(2);
+  std::vector<std::string> lines;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  ASSERT_EQ(lines.size(), 14u) << text;
+  EXPECT_EQ(text.back(), '\n');
+  EXPECT_EQ(lines[0], "{");
+  EXPECT_EQ(lines[1], "\"format\": \"kernelgate-evidence\",");
+  EXPECT_EQ(lines[2], "\"schema_version\": 1,");
+  EXPECT_EQ(lines[3], "\"fingerprints\": [");
+  EXPECT_EQ(lines[4],
+            "{\"id\": \"8698f1b65f22a235\", \"gpu_name\": \"NVIDIA H200\", "
+            "\"compute_capability\": \"9.0\", \"sm_count\": 132, \"memory_bytes\": 150754820096, "
+            "\"driver\": \"570.124.06\", \"cuda_runtime\": \"12.8\", "
+            "\"torch_version\": \"2.10.0\", "
+            "\"kernelgate_version\": \"0.1.0\", \"source_hash\": \"3f2a9c\", "
+            "\"backend_versions\": {\"liger_kernel\": \"0.5.10\", \"triton\": \"3.4.0\"}, "
+            "\"clocks_seen\": \"sm=1980MHz mem=3201MHz\"}");
+  EXPECT_EQ(lines[5], "],");
+  EXPECT_EQ(lines[6], "\"runs\": [");
+  EXPECT_EQ(lines[7].rfind("{\"uuid\": \"", 0), 0u) << lines[7];
+  EXPECT_NE(lines[7].find("\"command\": \"kernelgate bench run\", \"started_at\": "),
+            std::string::npos)
+      << lines[7];
+  EXPECT_EQ(lines[8], "],");
+  EXPECT_EQ(lines[9], "\"results\": [");
+  EXPECT_EQ(lines[10].rfind("{\"run_uuid\": \"", 0), 0u) << lines[10];
+  EXPECT_EQ(lines[10].back(), ',');
+  EXPECT_NE(lines[10].find("\"reason\": \"within tolerance \\\"quoted\\\"\\n\\ttab \\\\ back ü\""),
+            std::string::npos)
+      << lines[10];
+  // NaN is null, an infinity a string, a timing never taken null.
+  EXPECT_NE(lines[11].find("\"max_rel_l2\": \"inf\", \"max_max_over_rms\": null, "
+                           "\"device_median_us\": null, "),
+            std::string::npos)
+      << lines[11];
+  EXPECT_EQ(lines[11].back(), '}');
+  EXPECT_EQ(lines[12], "]");
+  EXPECT_EQ(lines[13], "}");
+}
+
+TEST_F(JsonExchangeTest, ExtremeAndNonFiniteNumbersRoundTripExactly) {
+  const double values[] = {INFINITY,
+                           -INFINITY,
+                           NAN,
+                           -0.0,
+                           std::numeric_limits<double>::denorm_min(),
+                           std::numeric_limits<double>::min(),
+                           std::numeric_limits<double>::max(),
+                           -std::numeric_limits<double>::max(),
+                           0.1 + 0.2,
+                           1e-300,
+                           123456789.125,
+                           1.0,
+                           1e22};
+  constexpr size_t n = std::size(values);
+  auto src = open_rw("src.sqlite");
+  const int64_t run = src->begin_run(sample_fingerprint(), "extremes");
+  auto measured = [](double v) { return std::isnan(v) ? std::nullopt : std::optional(v); };
+  std::vector<Result> rows;
+  for (size_t i = 0; i < n; ++i) {
+    Result r = sample_result(static_cast<int>(i));
+    r.max_rel_l2 = values[i];
+    r.max_max_over_rms = values[(i + 1) % n];
+    r.device_median_us = measured(values[(i + 2) % n]);
+    r.eager_spread_us = measured(values[(i + 3) % n]);
+    r.rel_noise = measured(values[(i + 4) % n]);
+    rows.push_back(r);
+  }
+  rows[0].seed = std::numeric_limits<int64_t>::min();
+  rows[1].seed = std::numeric_limits<int64_t>::max();
+  rows[2].arch = std::numeric_limits<int>::min();
+  rows[3].device_samples = std::numeric_limits<int>::max();
+  rows[4].created_at = std::numeric_limits<int64_t>::max();
+  for (const auto& r : rows) src->add_result(run, r);
+  src->export_json(path("numbers.json"));
+
+  auto dst = open_rw("dst.sqlite");
+  ASSERT_EQ(dst->import_json(path("numbers.json")).results_added, static_cast<int64_t>(n));
+  auto got = dst->results(sample_fingerprint().id());
+  ASSERT_EQ(got.size(), n);
+  for (size_t i = 0; i < n; ++i) {
+    SCOPED_TRACE(i);
+    expect_same(got[i], rows[i]);
+  }
+}
+
+TEST_F(JsonExchangeTest, EveryCharacterRoundTripsExactly) {
+  std::string every;  // each byte below 0x80 (NUL included), then UTF-8 of 2, 3 and 4 bytes
+  for (int c = 0; c < 0x80; ++c) every += static_cast<char>(c);
+  every += "\u00fc \u20ac \u2028 \U0001F600";
+  Fingerprint fp = sample_fingerprint();
+  fp.gpu_name = every;
+  fp.backend_versions[every] = every;
+  Result r = sample_result(0);
+  r.case_id = r.reason = every;
+  {
+    auto src = open_rw("src.sqlite");
+    src->add_result(src->begin_run(fp, every), r);
+    src->export_json(path("text.json"));
+  }
+  auto dst = open_rw("dst.sqlite");
+  ASSERT_EQ(dst->import_json(path("text.json")).results_added, 1);
+  EXPECT_EQ(dst->fingerprint(fp.id()), fp);  // and so its id still matches its fields
+  auto rows = dst->results(fp.id());
+  ASSERT_EQ(rows.size(), 1u);
+  expect_same(rows[0], r);
+  dst->export_json(path("again.json"));
+  EXPECT_EQ(read_bytes(path("again.json")), read_bytes(path("text.json")));
+}
+
+TEST_F(JsonExchangeTest, ExportReplacesBytesThatAreNotUtf8) {
+  // A worker's stderr cut mid character: JSON cannot carry the bytes, the row still travels.
+  Result r = sample_result(0);
+  r.reason = "stderr: cut \xe2\x82 here \xff";
+  {
+    auto src = open_rw("src.sqlite");
+    src->add_result(src->begin_run(sample_fingerprint(), "x"), r);
+    src->export_json(path("bytes.json"));
+  }
+  EXPECT_EQ(read_bytes(path("bytes.json")).find('\xff'), std::string::npos);
+  auto dst = open_rw("dst.sqlite");
+  ASSERT_EQ(dst->import_json(path("bytes.json")).results_added, 1);
+  const std::string reason = dst->results(sample_fingerprint().id()).at(0).reason;
+  EXPECT_EQ(reason.rfind("stderr: cut \xef\xbf\xbd", 0), 0u) << reason;  // U+FFFD
+  EXPECT_NE(reason.find(" here \xef\xbf\xbd"), std::string::npos) << reason;
+}
+
+TEST_F(JsonExchangeTest, ImportIgnoresUnknownMembersAtAnyDepth) {
+  std::string text = exported(2);
+  // Before the header (holding names of our own members, which mean nothing there, and a
+  // repeated name), between the sections, at the end, and inside rows.
+  text.replace(0, 2,
+               "{\n\"comment\": {\"format\": 2, \"fingerprints\": [{\"id\": 1}], "
+               "\"a\": [[], {}], \"a\": 3},\n");
+  text = replaced(text, "\"runs\": [", "\"later\": [[1, {\"b\": null}], \"x\"],\n\"runs\": [");
+  text = replaced(text, "\n]\n}\n", "\n],\n\"trailer\": {\"results\": 5}\n}\n");
+  text = replaced(text, "\"clocks_seen\": ", "\"future\": true, \"clocks_seen\": ");
+  text = replaced(text, "\"command\": ", "\"host\": {\"name\": [\"n\"]}, \"command\": ");
+  text = replaced(text,
+                  "\"reason\": ", "\"note\": {\"deep\": [[[\"x\"]]], \"deep\": 1}, \"reason\": ");
+  write_bytes(path("extra.json"), text);
+  auto store = open_rw("dst.sqlite");
+  MergeStats stats = store->import_json(path("extra.json"));
+  EXPECT_EQ(stats.fingerprints_added, 1);
+  EXPECT_EQ(stats.runs_added, 1);
+  EXPECT_EQ(stats.results_added, 2);
+}
+
+TEST_F(JsonExchangeTest, ImportRefusesAWrongOrLateHeader) {
+  const std::string good = exported(2);
+  const size_t body = good.find("\"fingerprints\"");
+  const std::string rows = good.substr(body);  // "fingerprints": [...], ..., "results": [...]}
+  const std::string format = "\"format\": \"kernelgate-evidence\"",
+                    version = "\"schema_version\": 1";
+  expect_import_refused(
+      "{" + version + ",\n" + rows.substr(0, rows.size() - 3) + ",\n" + format + "}\n",
+      "\"format\" and \"schema_version\" must come first");
+  expect_import_refused("{" + format + ",\n" + rows, "must come first");
+  expect_import_refused("{" + rows, "must come first");
+  for (const char* wrong : {"\"kernelgate-evidence2\"", "1", "null", "[\"kernelgate-evidence\"]",
+                            "{\"format\": \"kernelgate-evidence\"}"}) {
+    expect_import_refused(replaced(good, "\"kernelgate-evidence\"", wrong),
+                          "\"format\" is not \"kernelgate-evidence\"");
+  }
+  for (const char* wrong : {"2", "0", "-1", "1.0", "\"1\"", "18446744073709551617", "[1]"}) {
+    expect_import_refused(replaced(good, version, std::string("\"schema_version\": ") + wrong),
+                          "is not 1, the only version this build reads");
+  }
+  expect_import_refused(replaced(good, format, format + ", " + format),
+                        "the document: repeated key format");
+  expect_import_refused("[" + good + "]", "not a JSON object");
+  expect_import_refused(good.substr(0, good.find(",\n\"results\"")) + "\n}\n",
+                        "\"fingerprints\", \"runs\" or \"results\" missing");
+}
+
+TEST_F(JsonExchangeTest, ImportRefusesAmbiguousOrMistypedRows) {
+  const std::string good = exported(2);
+  const std::string header = good.substr(0, good.find("\"fingerprints\""));
+  auto with_rows = [&](const std::string& fingerprints) {
+    return header + "\"fingerprints\": " + fingerprints + ",\n\"runs\": [],\n\"results\": []\n}\n";
+  };
+  expect_import_refused(with_rows("{}"), "\"fingerprints\" is not an array");
+  expect_import_refused(with_rows("3"), "\"fingerprints\" is not an array");
+  expect_import_refused(with_rows("[1]"), "fingerprints[0]: expected an object");
+  expect_import_refused(with_rows("[[]]"), "fingerprints[0]: expected an object");
+  // JSON leaves a repeated name's meaning open, so it is refused rather than read either way.
+  expect_import_refused(replaced(good, "\"reason\": ", "\"disposition\": \"passed\", \"reason\": "),
+                        "results[1]: repeated key disposition");
+  expect_import_refused(
+      replaced(good, "\"triton\": \"3.4.0\"", "\"triton\": \"3.4.0\", \"triton\": \"3.5.0\""),
+      "fingerprints[0].backend_versions: repeated key triton");
+  const std::pair<std::string, std::string> mistyped[] = {
+      {"\"seed\": 9223372036854775808", "results[1].seed: expected an integer"},
+      {"\"seed\": -9223372036854775809", "results[1].seed: expected an integer"},
+      {"\"seed\": 1.0", "results[1].seed: expected an integer"},
+      {"\"arch\": 2147483648", "results[1].arch: expected a 32-bit integer"},
+      {"\"grad\": 1", "results[1].grad: expected true or false"},
+      {"\"max_rel_l2\": \"Infinity\"", "results[1].max_rel_l2: expected a number"},
+      {"\"dtype\": null", "results[1].dtype: expected a string"},
+      {"\"disposition\": \"passed \"", "results[1].disposition: expected a disposition"},
+      {"\"max_rel_l2\": 1e999", "malformed JSON"},
+      {"\"shape\": \"\xff\"", "malformed JSON"},
+  };
+  for (const auto& [member, reason] : mistyped) {
+    const std::string name = member.substr(0, member.find(':') + 1);
+    std::string text = good;
+    const size_t at = text.rfind(name), end = text.find(", ", at);
+    ASSERT_NE(at, std::string::npos) << name;
+    expect_import_refused(text.replace(at, end - at, member), reason);
+  }
+}
+
+TEST_F(JsonExchangeTest, TruncatedDocumentAddsNothing) {
+  const std::string good = exported(3);
+  auto store = open_rw("dst.sqlite");
+  int tried = 0, imported = 0, unexplained = 0;
+  // Prefixes but the whole document and the one lacking just its final newline: each one ending
+  // near a line break (between rows and sections), and a spread of others.
+  for (size_t cut = 0; cut + 1 < good.size(); ++cut) {
+    const size_t line_break = good.find('\n', cut > 2 ? cut - 2 : 0);
+    if (line_break > cut + 2 && cut % 17 != 0) continue;
+    write_bytes(path("cut.json"), good.substr(0, cut));
+    ++tried;
+    try {
+      store->import_json(path("cut.json"));
+      ++imported;
+    } catch (const StoreError& e) {
+      unexplained += std::string(e.what()).find("nothing was imported") == std::string::npos;
+    }
+  }
+  EXPECT_EQ(imported, 0);
+  EXPECT_EQ(unexplained, 0);
+  EXPECT_GT(tried, 200);
+  EXPECT_TRUE(store->stale(sample_fingerprint()).stale.empty());
+  EXPECT_EQ(store->stale(sample_fingerprint()).current_results, 0);
+  EXPECT_FALSE(store->fingerprint(sample_fingerprint().id()).has_value());
+}
+
+TEST_F(JsonExchangeTest, ImportsWhatThePreviousWriterWrote) {
+  // Written by the hand-made writer this one replaced: other escapes and number spellings.
+  const std::string text =
+      "{\n"
+      "\"format\": \"kernelgate-evidence\",\n"
+      "\"schema_version\": 1,\n"
+      "\"fingerprints\": [\n"
+      "{\"id\": \"8698f1b65f22a235\", \"gpu_name\": \"NVIDIA H200\", "
+      "\"compute_capability\": \"9.0\", \"sm_count\": 132, \"memory_bytes\": 150754820096, "
+      "\"driver\": \"570.124.06\", \"cuda_runtime\": \"12.8\", "
+      "\"torch_version\": \"2.10.0\", \"kernelgate_version\": \"0.1.0\", "
+      "\"source_hash\": \"3f2a9c\", \"backend_versions\": {\"liger_kernel\": \"0.5.10\", "
+      "\"triton\": \"3.4.0\"}, \"clocks_seen\": \"sm=1980MHz mem=3201MHz\"}\n"
+      "],\n"
+      "\"runs\": [\n"
+      "{\"uuid\": \"06366f1ef7903e161df5afcf13769cbc\", "
+      "\"fingerprint_id\": \"8698f1b65f22a235\", \"command\": \"old \\\"build\\\"\", "
+      "\"started_at\": 1796115045, \"kernelgate_version\": \"0.1.0\"}\n"
+      "],\n"
+      "\"results\": [\n"
+      "{\"run_uuid\": \"06366f1ef7903e161df5afcf13769cbc\", \"op\": \"rms_norm\", "
+      "\"backend\": \"kernelgate\", \"case_id\": \"case-0\", \"arch\": 90, "
+      "\"dtype\": \"bfloat16\", \"buckets\": \"14,12\", \"region\": \"r\", "
+      "\"align\": \"16\", \"grad\": true, \"shape\": \"s\", \"layout\": \"contiguous\", "
+      "\"regime\": \"normal\", \"seed\": 7, \"disposition\": \"incorrect\", "
+      "\"reason\": \"line\\u000anext\\u0009tab\", \"max_rel_l2\": \"inf\", "
+      "\"max_max_over_rms\": 0, \"device_median_us\": 100, \"device_spread_us\": null, "
+      "\"device_samples\": 3, \"eager_median_us\": null, \"eager_spread_us\": null, "
+      "\"eager_samples\": 0, \"rel_noise\": 0.25, \"throttled\": false, "
+      "\"clocks_before\": \"\", \"clocks_after\": \"\", \"created_at\": 1700000000}\n"
+      "]\n"
+      "}\n";
+  write_bytes(path("old.json"), text);
+  auto store = open_rw("dst.sqlite");
+  MergeStats stats = store->import_json(path("old.json"));
+  EXPECT_EQ(stats.fingerprints_added, 1);
+  EXPECT_EQ(stats.results_added, 1);
+  EXPECT_EQ(store->fingerprint(sample_fingerprint().id()), sample_fingerprint());
+  auto rows = store->results(sample_fingerprint().id());
+  ASSERT_EQ(rows.size(), 1u);
+  EXPECT_EQ(rows[0].reason, "line\nnext\ttab");
+  EXPECT_EQ(rows[0].max_rel_l2, INFINITY);
+  EXPECT_EQ(rows[0].max_max_over_rms, 0.0);
+  EXPECT_EQ(rows[0].device_median_us, 100.0);
+  EXPECT_FALSE(rows[0].device_spread_us.has_value());
+  EXPECT_EQ(rows[0].rel_noise, 0.25);
+  EXPECT_EQ(rows[0].seed, 7);
+}
+
+// ---- backend_versions as stored ------------------------------------------------------------
+
+TEST_F(StoreTest, BackendVersionsColumnKeepsItsText) {
+  const std::string file = make_store("b.sqlite", 1, sample_fingerprint());
+  EXPECT_EQ(raw_sql(file, "SELECT backend_versions FROM fingerprints"),
+            "{\"liger_kernel\": \"0.5.10\", \"triton\": \"3.4.0\"}\n");
+  const std::string id = sample_fingerprint().id();
+  // Any JSON object of strings reads, whatever its spacing and escapes.
+  raw_sql(file, "UPDATE fingerprints SET backend_versions = '{ \"a\\u0041\" :\"x\\n\" }'");
+  {
+    auto store = open_rw("b.sqlite");
+    auto fp = store->fingerprint(id);
+    ASSERT_TRUE(fp.has_value());
+    EXPECT_EQ(fp->backend_versions, (std::map<std::string, std::string>{{"aA", "x\n"}}));
+  }
+  for (const char* damaged :
+       {"not json", "[1]", "{\"a\": 1}", "{\"a\": \"1\", \"a\": \"2\"}", ""}) {
+    raw_sql(file, "UPDATE fingerprints SET backend_versions = '" + std::string(damaged) + "'");
+    auto store = open_rw("b.sqlite");
+    try {
+      store->fingerprint(id);
+      ADD_FAILURE() << damaged << ": read";
+    } catch (const StoreError& e) {
+      EXPECT_NE(std::string(e.what()).find("damaged fingerprint row: backend_versions"),
+                std::string::npos)
+          << e.what();
+      EXPECT_NE(std::string(e.what()).find(file), std::string::npos) << e.what();
+    }
+  }
+}
+
+TEST_F(StoreTest, BackendVersionsThatAreNotUtf8AreRefused) {
+  // Replacing the bytes would store a map that no longer hashes to the fingerprint's id.
+  Fingerprint fp = sample_fingerprint();
+  fp.backend_versions["triton"] = "3.4\xff";
+  auto store = open_rw("u.sqlite");
+  try {
+    store->begin_run(fp, "x");
+    FAIL() << "stored";
+  } catch (const StoreError& e) {
+    EXPECT_NE(std::string(e.what()).find(path("u.sqlite")), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("backend_versions"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(store->fingerprint(fp.id()).has_value());
+  EXPECT_EQ(raw_sql(path("u.sqlite"), "SELECT count(*) FROM runs"), "0\n");
 }
 
 TEST(DefaultPath, FollowsTheEnvironment) {

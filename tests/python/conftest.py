@@ -4,8 +4,11 @@ import tempfile
 import pytest
 import torch
 
-# Tests never read or write the user's evidence store.
-os.environ["KERNELGATE_DB"] = os.path.join(tempfile.mkdtemp(prefix="kernelgate-tests-"), "evidence.sqlite")
+# Tests never read or write the user's evidence store, nor reuse torch.compile artifacts of
+# another build (the compile cache is keyed by the model's graph, not by our ops' internals).
+_TMP = tempfile.mkdtemp(prefix="kernelgate-tests-")
+os.environ["KERNELGATE_DB"] = os.path.join(_TMP, "evidence.sqlite")
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(_TMP, "inductor")
 
 import kernelgate as kg  # noqa: E402
 

@@ -1,16 +1,16 @@
-"""add_rms_norm: every backend against the float64 oracle, both outputs (y, h) and every gradient
-(x, residual, weight) with random cotangents on both outputs, on odd shapes, non-contiguous x and
-residual and hard value regimes; autograd with one output unused, opcheck, torch.compile, CUDA
-graphs and clear errors for bad input."""
-
-import itertools
+"""add_rms_norm: what is special to it. test_contracts.py checks every backend against the float64
+oracle on the generated cases (shapes, layouts of x, regimes, dtypes, eps, no weight), opcheck,
+torch.compile, the refused double backward and CUDA graphs. Here: the reference is the eager
+pattern and h is the eager sum exactly, non-contiguous residuals (the generated layouts are x's),
+eps = 0, one output unused, the GPU kernels on widths and row counts the quick grid does not make,
+and clear errors for bad input."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import kernelgate as kg
-from kernelgate.testing import assert_cuda_graph_replays, check_against_oracle, poison_cuda_allocator
+from kernelgate.testing import check_against_oracle, poison_cuda_allocator
 from norm_inputs import layouts, values
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -95,17 +95,9 @@ def test_reference_rounds_h_then_normalises_it(dtype):
 
 # ---- CPU (runs in CI) ------------------------------------------------------------------------
 
-SHAPES = [((1,), 1), ((1,), 7), ((3,), 33), ((17,), 4096), ((5,), 1000), ((2, 5), 4097), ((2, 3, 4), 64)]
+# (x, residual) layouts; the generated cases lay out x alone.
 LAYOUT_PAIRS = [("transposed", "contiguous"), ("contiguous", "row_strided"), ("offset", "offset"),
                 ("expanded", "transposed"), ("row_strided", "expanded")]
-
-
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("rows_shape,hidden", SHAPES)
-@pytest.mark.parametrize("with_weight", [True, False])
-def test_cpu_shapes(backend, dtype, rows_shape, hidden, with_weight):
-    check_backend(backend, "cpu", dtype, rows_shape, hidden, with_weight=with_weight)
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
@@ -116,16 +108,8 @@ def test_cpu_noncontiguous(backend, x_layout, r_layout, dtype):
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
-@pytest.mark.parametrize("regime", ["large", "small", "offset"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_cpu_value_regimes(backend, regime, dtype):
-    check_backend(backend, "cpu", dtype, (9,), 257, regime=regime)
-
-
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
-@pytest.mark.parametrize("eps", [0.0, 1e-5, 0.1])
-def test_cpu_no_weight_and_eps(backend, eps):
-    check_backend(backend, "cpu", torch.float32, (4,), 65, with_weight=False, eps=eps, regime="small")
+def test_cpu_eps_zero(backend):
+    check_backend(backend, "cpu", torch.float32, (4,), 65, with_weight=False, eps=0.0, regime="small")
 
 
 def _one_output_check(backend, device):
@@ -154,44 +138,6 @@ def _one_output_check(backend, device):
 
 def test_cpu_one_output_used():
     _one_output_check("reference", "cpu")
-
-
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
-def test_cpu_specialvalues(backend):
-    _special_check(backend, "cpu")
-
-
-def _special_check(backend, device):
-    x = torch.randn(4, 16, device=device)
-    r = torch.randn(4, 16, device=device)
-    x[0, 3] = float("nan")
-    r[1, 5] = float("inf")
-    x[2, :] = 0.0
-    r[2, :] = 0.0  # an all-zero row: rstd = 1/sqrt(eps), y = 0
-    w = torch.randn(16, device=device)
-    with kg.use(force={"add_rms_norm": backend}):
-        y, h = kg.add_rms_norm(x, r, w)
-    oy, oh = oracle_op(x.double(), r.double(), w.double(), 1e-6)
-    ry, rh = kg.add_rms_norm(x, r, w)
-    check_against_oracle("y", y, ry, oy)
-    check_against_oracle("h", h, rh, oh)
-
-
-def _empty_check(backend, device):
-    x = torch.randn(0, 8, device=device, requires_grad=True)
-    r = torch.randn(0, 8, device=device, requires_grad=True)
-    w = torch.randn(8, device=device, requires_grad=True)
-    with kg.use(force={"add_rms_norm": backend}):
-        y, h = kg.add_rms_norm(x, r, w)
-        (y.sum() + h.sum()).backward()
-    assert y.shape == (0, 8) and h.shape == (0, 8)
-    assert x.grad.shape == (0, 8) and r.grad.shape == (0, 8)
-    assert torch.equal(w.grad, torch.zeros(8, device=device))
-
-
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
-def test_cpu_empty_rows(backend):
-    _empty_check(backend, "cpu")
 
 
 def test_default_is_reference_and_explain_lists_backends():
@@ -232,45 +178,6 @@ def test_meta_shapes():
 
 # ---- PyTorch integration ----------------------------------------------------------------------
 
-def _opcheck_args(device):
-    x = torch.randn(3, 5, 33, device=device, requires_grad=True)
-    r = torch.randn(3, 5, 33, device=device, requires_grad=True)
-    w = torch.randn(33, device=device, requires_grad=True)
-    return [(x, r, w, 1e-6), (x.detach(), r.detach(), None, 1e-5), (x, r.detach(), None, 1e-6)]
-
-
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
-def test_opcheck_cpu(backend):
-    with kg.use(force={"add_rms_norm": backend}):
-        for args in _opcheck_args("cpu"):
-            torch.library.opcheck(torch.ops.kernelgate.add_rms_norm.default, args)
-
-
-def _compile_check(device, backend_name):
-    def block(x, r, w):
-        y, h = kg.add_rms_norm(x, r, w)
-        y2, h2 = kg.add_rms_norm(y * 2.0, h, None, eps=1e-5)
-        return y2 + h2
-
-    torch._dynamo.reset()
-    compiled = torch.compile(block, fullgraph=True)
-    x = torch.randn(4, 6, 48, device=device, requires_grad=True)
-    r = torch.randn(4, 6, 48, device=device, requires_grad=True)
-    w = torch.randn(48, device=device, requires_grad=True)
-    with kg.use(force={"add_rms_norm": backend_name}):
-        out = compiled(x, r, w)
-        got = torch.autograd.grad(out.sum(), [x, r, w])
-        ref = block(x, r, w)
-        exp = torch.autograd.grad(ref.sum(), [x, r, w])
-    torch.testing.assert_close(out, ref)
-    for a, b in zip(got, exp):
-        torch.testing.assert_close(a, b)
-
-
-def test_torch_compile_fullgraph_cpu():
-    _compile_check("cpu", "reference")
-
-
 def test_cpp_and_python_share_one_op():
     x, r = torch.randn(3, 9), torch.randn(3, 9)
     a, b = kg.add_rms_norm(x, r)
@@ -280,8 +187,10 @@ def test_cpp_and_python_share_one_op():
 
 # ---- GPU (run on the GPU machine: pytest -m gpu) --------------------------------------------------
 
-GPU_SHAPES = SHAPES + [((64,), 2048), ((33,), 4096), ((16,), 8192), ((3,), 12288), ((5,), 16384),
-                       ((2,), 32768), ((2,), 32768 + 8), ((4,), 65536), ((2,), 1 << 17)]
+# Widths and row counts the quick grid does not make (its hidden edges are 1, 2, 33, 127-129,
+# 4095-4097, 65535 and 65536 at 256 rows), and multi-dim rows at a vectorised width.
+GPU_SHAPES = [((64,), 2048), ((16,), 8192), ((3,), 12288), ((5,), 16384), ((2,), 32768), ((2,), 32768 + 8),
+              ((2,), 1 << 17), ((2, 5), 4097)]
 
 
 @pytest.mark.gpu
@@ -303,9 +212,10 @@ def test_gpu_noncontiguous(backend, x_layout, r_layout, dtype, hidden):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("regime,dtype,hidden", list(itertools.product(["large", "small", "offset"], DTYPES, [257, 4096])))
-def test_gpu_value_regimes(regime, dtype, hidden):
-    check_backend("kernelgate_cuda", "cuda", dtype, (9,), hidden, regime=regime)
+@pytest.mark.parametrize("regime", ["large", "small", "offset"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gpu_value_regimes_production_width(regime, dtype):
+    check_backend("kernelgate_cuda", "cuda", dtype, (9,), 4096, regime=regime)
 
 
 # (rows, hidden) whose bf16 backward takes each kernel: rows in registers with several rows per
@@ -324,57 +234,11 @@ def test_gpu_many_rows_seeds(with_weight, seed, rows, hidden):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", CUDA_BACKENDS)
-def test_gpu_specialvalues(backend):
-    _special_check(backend, "cuda")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("backend", CUDA_BACKENDS)
 def test_gpu_one_output_used(backend):
     _one_output_check(backend, "cuda")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("backend", CUDA_BACKENDS)
-def test_gpu_empty_rows(backend):
-    _empty_check(backend, "cuda")
 
 
 @pytest.mark.gpu
 def test_gpu_explain_key():
     x = torch.randn(2, 64, device="cuda")
     assert "sm_" in kg.explain("add_rms_norm", x, x).key
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("backend", CUDA_BACKENDS)
-def test_gpu_opcheck(backend):
-    with kg.use(force={"add_rms_norm": backend}):
-        for args in _opcheck_args("cuda"):
-            torch.library.opcheck(torch.ops.kernelgate.add_rms_norm.default, args)
-
-
-@pytest.mark.gpu
-def test_gpu_torch_compile_fullgraph():
-    _compile_check("cuda", "kernelgate_cuda")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("backend", CUDA_BACKENDS)
-def test_gpu_cuda_graph_capture_and_replay(backend):
-    x = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    r = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    w = torch.randn(1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16)
-    dh = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16)
-
-    def step():
-        y, h = kg.add_rms_norm(x, r, w)
-        return (y, h, *torch.autograd.grad((y, h), [x, r, w], (dy, dh)))
-
-    def refill():
-        for t in (x, r, dy, dh):
-            t.copy_(torch.randn_like(t))
-
-    with kg.use(force={"add_rms_norm": backend}):
-        assert_cuda_graph_replays(step, refill)

@@ -1,15 +1,17 @@
-"""cross_entropy: every backend against the float64 oracle, loss and gradient, for every
-reduction, label smoothing, ignored rows, int32/int64 targets, odd class counts, non-contiguous
-logits and hard values (1e4 spreads, -inf logits); equivalence of the oracle with
-F.cross_entropy; opcheck, torch.compile, clear errors; on the GPU also CUDA graphs and what an
-out-of-range target does there."""
+"""cross_entropy: what is special to it. test_contracts.py checks every backend against the float64
+oracle on the generated cases (shapes, classes 1 and rows 0 included, layouts, regimes, dtypes,
+each reduction, label smoothing with the mean, int64 targets with ignored rows), opcheck,
+torch.compile, double backward and CUDA graphs. Here: the oracle is F.cross_entropy; label
+smoothing with every reduction; -inf logits; every row ignored; int32 targets; ignored rows'
+exact zero gradient; out-of-range targets (an error on the CPU, NaN on the GPU); class counts the
+quick grid does not make; and clear errors for bad input."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import kernelgate as kg
-from kernelgate.testing import assert_cuda_graph_replays, check_against_oracle, poison_cuda_allocator
+from kernelgate.testing import check_against_oracle, poison_cuda_allocator
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 REDUCTIONS = ["mean", "sum", "none"]
@@ -89,16 +91,6 @@ def check(backend, device, dtype, rows, classes, red="mean", eps=0.0, layout="co
 
 # ---- CPU (runs in CI) ------------------------------------------------------------------------
 
-SHAPES = [(1, 1), (1, 3), (7, 3), (5, 1001), (0, 5), (33, 130), (4, 4099)]
-
-
-@pytest.mark.parametrize("red", REDUCTIONS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("rows,classes", SHAPES)
-def test_cpu_shapes(red, dtype, rows, classes):
-    check("reference", "cpu", dtype, rows, classes, red=red)
-
-
 @pytest.mark.parametrize("eps", [0.0, 0.1, 1.0])
 @pytest.mark.parametrize("red", REDUCTIONS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -106,18 +98,11 @@ def test_cpu_label_smoothing(eps, red, dtype):
     check("reference", "cpu", dtype, 9, 257, red=red, eps=eps)
 
 
-@pytest.mark.parametrize("layout", ["row_strided", "offset", "transposed"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_cpu_noncontiguous(layout, dtype):
-    check("reference", "cpu", dtype, 6, 131, layout=layout, eps=0.1)
-
-
-@pytest.mark.parametrize("regime", ["large", "neginf"])
 @pytest.mark.parametrize("eps", [0.0, 0.1])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_cpu_value_regimes(regime, eps, dtype):
-    loss, _ = check("reference", "cpu", dtype, 12, 300, red="none", eps=eps, regime=regime)
-    assert torch.isfinite(loss).all() or regime == "neginf"  # 1e4 spreads must not overflow
+def test_cpu_negative_infinity_logits(eps, dtype):
+    # Masked vocabulary entries (the generated special rows hold NaN, +inf and zeros).
+    check("reference", "cpu", dtype, 12, 300, red="none", eps=eps, regime="neginf")
 
 
 @pytest.mark.parametrize("red", REDUCTIONS)
@@ -135,11 +120,6 @@ def test_cpu_all_rows_ignored(red):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_cpu_target_dtypes(target_dtype, dtype):
     check("reference", "cpu", dtype, 11, 77, red="sum", eps=0.1, target_dtype=target_dtype)
-
-
-@pytest.mark.parametrize("seed", [1, 2, 3])
-def test_cpu_fresh_inputs_per_seed(seed):
-    check("reference", "cpu", torch.bfloat16, 7, 96, red="mean", eps=0.05, seed=seed)
 
 
 @pytest.mark.parametrize("red", REDUCTIONS)
@@ -233,51 +213,25 @@ def test_meta_shapes():
     t = torch.empty(3, device="meta", dtype=torch.long)
     assert kg.cross_entropy(x, t).shape == () and kg.cross_entropy(x, t).dtype == torch.bfloat16
     assert kg.cross_entropy(x, t, reduction="none").shape == (3,)
-    loss, lse, n = torch.ops.kernelgate._cross_entropy_fwd(x, t, IGNORE, 0.0, "mean")
+    loss, lse, n = torch.ops.kernelgate._cross_entropy_fwd(x, t, IGNORE, 0.0, "mean", 1)  # needs: logits
     assert lse.shape == (3,) and lse.dtype == torch.float32 and n.shape == ()
 
 
 # ---- PyTorch integration ----------------------------------------------------------------------
 
-def _opcheck_args(device):
-    x = torch.randn(6, 33, device=device, requires_grad=True)
-    t = torch.tensor([0, 5, -100, 32, 1, 7], device=device)
-    return [(x, t), (x, t.int(), -100, 0.1, "sum"), (x.detach(), t, -100, 0.0, "none"), (x, t.clamp(min=0), 5, 0.2, "none")]
-
-
-def test_opcheck_cpu():
-    for args in _opcheck_args("cpu"):
+def test_opcheck_int32_target():
+    # The generated cases' targets are int64.
+    x = torch.randn(6, 33, requires_grad=True)
+    t = torch.tensor([0, 5, -100, 32, 1, 7], dtype=torch.int32)
+    for args in [(x, t, -100, 0.1, "sum"), (x.detach(), t.clamp(min=0), 5, 0.0, "none")]:
         torch.library.opcheck(torch.ops.kernelgate.cross_entropy.default, args)
-
-
-def _compile_check(device, backend):
-    def head(h, w, t):
-        logits = h @ w
-        return kg.cross_entropy(logits, t, label_smoothing=0.1) + kg.cross_entropy(logits, t, reduction="sum")
-
-    torch._dynamo.reset()
-    compiled = torch.compile(head, fullgraph=True)
-    h = torch.randn(8, 16, device=device, requires_grad=True)
-    w = torch.randn(16, 40, device=device, requires_grad=True)
-    t = torch.randint(0, 40, (8,), device=device)
-    t[3] = IGNORE
-    with kg.use(force={"cross_entropy": backend}):
-        y = compiled(h, w, t)
-        g = torch.autograd.grad(y, [h, w])
-        ye = head(h, w, t)
-        ge = torch.autograd.grad(ye, [h, w])
-    torch.testing.assert_close(y, ye)
-    torch.testing.assert_close(g, ge)
-
-
-def test_torch_compile_fullgraph_cpu():
-    _compile_check("cpu", "reference")
 
 
 # ---- GPU (run on the GPU machine: pytest -m gpu) --------------------------------------------------
 
 GPU_BACKENDS = ["reference", "kernelgate_cuda"]
-GPU_SHAPES = SHAPES + [(64, 32000), (3, 32001), (16, 128256), (2, 151936), (130, 1000)]
+# Vocabulary sizes the quick grid does not make (its class edges stop at 65536 for 256 rows).
+GPU_SHAPES = [(64, 32000), (3, 32001), (16, 128256), (2, 151936), (130, 1000)]
 
 
 @pytest.mark.gpu
@@ -349,41 +303,6 @@ def test_gpu_out_of_range_target_gives_nan(backend):
 def test_gpu_device_mismatch():
     with pytest.raises(RuntimeError, match=r"target must be on the same device as logits \(cuda:0\), got cpu"):
         kg.cross_entropy(torch.randn(2, 8, device="cuda"), torch.zeros(2, dtype=torch.long))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("backend", GPU_BACKENDS)
-def test_gpu_opcheck(backend):
-    with kg.use(force={"cross_entropy": backend}):
-        for args in _opcheck_args("cuda"):
-            torch.library.opcheck(torch.ops.kernelgate.cross_entropy.default, args)
-
-
-@pytest.mark.gpu
-def test_gpu_torch_compile_fullgraph():
-    _compile_check("cuda", "kernelgate_cuda")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("backend", GPU_BACKENDS)
-@pytest.mark.parametrize("red", REDUCTIONS)
-def test_gpu_cuda_graph_capture_and_replay(backend, red):
-    x = torch.randn(64, 5000, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    t = torch.randint(0, 5000, (64,), device="cuda")
-    dy = torch.randn((64,) if red == "none" else (), device="cuda", dtype=torch.bfloat16)
-
-    def step():
-        y = kg.cross_entropy(x, t, label_smoothing=0.1, reduction=red)
-        return (y, *torch.autograd.grad(y, [x], dy))
-
-    def refill():
-        x.copy_(torch.randn_like(x))
-        t.copy_(torch.randint(0, 5000, (64,), device="cuda"))
-        t[5] = IGNORE
-        dy.copy_(torch.randn_like(dy))
-
-    with kg.use(force={"cross_entropy": backend}):
-        assert_cuda_graph_replays(step, refill)
 
 
 @pytest.mark.parametrize("red", REDUCTIONS)

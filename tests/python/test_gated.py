@@ -1,5 +1,9 @@
-"""swiglu and geglu: every backend against the float64 oracle, forward and both gradients, on odd
-shapes, non-contiguous inputs and hard values; autograd, opcheck, torch.compile, clear errors."""
+"""swiglu and geglu: what is special to them. test_contracts.py checks every backend against the
+float64 oracle on the generated cases (shapes, layouts of gate, regimes, dtypes, both geglu
+approximations), opcheck, torch.compile, double backward and CUDA graphs. Here: gate and up as the
+two halves of one projection (h.chunk(2, -1): both strided views of one tensor), a gate of -inf
+and -100 (the activation saturates), widths the quick grid does not make, geglu's variants in the
+dispatch key, and clear errors for bad input."""
 
 import pytest
 import torch
@@ -52,19 +56,11 @@ def check(op, backend, device, dtype, shape, seed=0, noncontiguous=False, specia
     check_against_oracle("d(gate, up)", got_dx, ref_dx, odx, dtype)
 
 
-SHAPES = [(1, 1), (3, 7), (5, 33), (2, 3, 1000), (17, 4097)]
-
-
 @pytest.mark.parametrize("op", list(OPS))
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_cpu_reference_against_oracle(op, dtype, shape):
-    check(op, "reference", "cpu", dtype, shape)
-
-
-@pytest.mark.parametrize("op", list(OPS))
-def test_cpu_noncontiguous_and_special(op):
+def test_cpu_halves_of_one_projection_and_saturation(op):
     check(op, "reference", "cpu", torch.float32, (6, 130), noncontiguous=True)
+    # gate = -inf and -100, where the activation saturates (the generated special rows hold NaN,
+    # +inf and zeros)
     check(op, "reference", "cpu", torch.float32, (6, 130), special=True)
 
 
@@ -99,37 +95,10 @@ def test_geglu_approximate_checked():
         kg.geglu(torch.randn(2, 4, device="meta"), torch.randn(2, 4, device="meta"), "erf")
 
 
-@pytest.mark.parametrize("op", ["swiglu", "geglu"])
-def test_opcheck(op):
-    g = torch.randn(3, 5, 17, requires_grad=True)
-    u = torch.randn(3, 5, 17, requires_grad=True)
-    opo = getattr(torch.ops.kernelgate, op).default
-    for args in [(g, u), (g.detach(), u.detach()), (g, u.detach())]:
-        if op == "geglu":
-            args = (*args, "none")
-        torch.library.opcheck(opo, args)
-
-
-def test_torch_compile_fullgraph():
-    def mlp(x, w1, w2):
-        h = x @ w1
-        a, b = h.chunk(2, dim=-1)
-        return kg.swiglu(a, b) + kg.geglu(a, b, "none")
-
-    torch._dynamo.reset()
-    compiled = torch.compile(mlp, fullgraph=True)
-    x = torch.randn(8, 16, requires_grad=True)
-    w1 = torch.randn(16, 64, requires_grad=True)
-    w2 = torch.randn(32, 16)
-    y = compiled(x, w1, w2)
-    ye = mlp(x, w1, w2)
-    torch.testing.assert_close(y, ye)
-    torch.testing.assert_close(torch.autograd.grad(y.sum(), [x, w1]), torch.autograd.grad(ye.sum(), [x, w1]))
-
-
 # ---- GPU (pytest -m gpu on the GPU machine) -----------------------------------------------------
 
-GPU_SHAPES = [(1, 1), (3, 7), (5, 33), (2, 3, 1000), (17, 4097), (64, 14336), (3, 65537)]
+# Widths the quick grid does not make (its edges stop at 65536): an MLP width and past 2^16.
+GPU_SHAPES = [(64, 14336), (3, 65537), (2, 3, 1000)]
 
 
 @pytest.mark.gpu
@@ -144,7 +113,7 @@ def test_gpu_against_oracle(op, backend, dtype, shape):
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", list(OPS))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_gpu_noncontiguous_and_special(op, dtype):
+def test_gpu_halves_of_one_projection_and_saturation(op, dtype):
     check(op, "kernelgate_cuda", "cuda", dtype, (6, 4096), noncontiguous=True)
     check(op, "kernelgate_cuda", "cuda", dtype, (6, 130), special=True)
     check(op, "kernelgate_cuda", "cuda", dtype, (5, 8), seed=3, special=True)

@@ -1,20 +1,20 @@
-"""layer_norm: every backend against the float64 oracle, forward and every gradient (x, weight,
-bias), on odd shapes, non-contiguous layouts, with and without weight / bias, and hard value
-regimes (notably a mean far from 0 with a small spread, where E[x^2] - E[x]^2 cancels); opcheck,
-torch.compile, CUDA graphs and clear errors for bad input."""
-
-import itertools
+"""layer_norm: what is special to it. test_contracts.py checks every backend against the float64
+oracle on the generated cases (shapes, layouts, regimes, dtypes, eps, neither weight nor bias),
+opcheck, torch.compile, double backward and CUDA graphs. Here: the reference is torch's layer_norm,
+a mean far from 0 with a small spread (where E[x^2] - E[x]^2 cancels; not a generated regime),
+weight or bias alone, eps = 0, only some parameters requiring grad, the GPU kernels on widths and
+row counts the quick grid does not make, and clear errors for bad input."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import kernelgate as kg
-from kernelgate.testing import assert_cuda_graph_replays, check_against_oracle, poison_cuda_allocator
+from kernelgate.testing import check_against_oracle, poison_cuda_allocator
 from norm_inputs import layouts, values
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-CPU_BACKENDS = ["reference"]  # aten keeps bfloat16 statistics on the CPU: forward only, below
+CPU_BACKENDS = ["reference"]  # aten: forward only on the CPU (test_contracts)
 CUDA_BACKENDS = ["reference", "aten", "kernelgate_cuda"]
 AFFINE = [(True, True), (True, False), (False, True), (False, False)]  # (weight, bias)
 
@@ -92,29 +92,12 @@ def test_reference_variance_survives_a_far_offset():
 
 # ---- CPU (runs in CI) ------------------------------------------------------------------------
 
-SHAPES = [((1,), 1), ((1,), 7), ((3,), 33), ((17,), 4096), ((5,), 1000), ((2, 5), 4097), ((2, 3, 4), 64)]
-
-
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("rows_shape,hidden", SHAPES)
-@pytest.mark.parametrize("with_weight,with_bias", AFFINE)
-def test_cpu_shapes(backend, dtype, rows_shape, hidden, with_weight, with_bias):
-    check_backend(backend, "cpu", dtype, rows_shape, hidden, with_weight=with_weight, with_bias=with_bias)
-
-
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
-@pytest.mark.parametrize("layout", ["transposed", "row_strided", "offset", "expanded"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_cpu_noncontiguous(backend, layout, dtype):
-    check_backend(backend, "cpu", dtype, (6,), 130, layout=layout)
-
-
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
-@pytest.mark.parametrize("regime", ["large", "small", "offset"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_cpu_value_regimes(backend, regime, dtype):
-    check_backend(backend, "cpu", dtype, (9,), 257, regime=regime)
+@pytest.mark.parametrize("with_weight,with_bias", [(True, False), (False, True)])
+def test_cpu_weight_or_bias_alone(backend, dtype, with_weight, with_bias):
+    # The generated cases have both or neither.
+    check_backend(backend, "cpu", dtype, (2, 5), 33, with_weight=with_weight, with_bias=with_bias)
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
@@ -123,60 +106,8 @@ def test_cpu_far_offset(backend):
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
-@pytest.mark.parametrize("eps", [0.0, 1e-6, 0.1])
-def test_cpu_eps(backend, eps):
-    check_backend(backend, "cpu", torch.float32, (4,), 65, eps=eps, regime="small" if eps > 0 else "normal")
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("rows_shape,hidden", SHAPES)
-def test_cpu_aten_forward(dtype, rows_shape, hidden):
-    gen = torch.Generator().manual_seed(5)
-    x = values((*rows_shape, hidden), "offset", dtype, "cpu", gen)
-    w = values((hidden,), "normal", dtype, "cpu", gen)
-    b = values((hidden,), "normal", dtype, "cpu", gen)
-    with kg.use(force={"layer_norm": "aten"}):
-        assert kg.explain("layer_norm", x, w, b).backend == "aten"
-        got = kg.layer_norm(x, w, b)
-        # With grad it cannot serve on the CPU, and says why.
-        e = kg.explain("layer_norm", x.requires_grad_(), w, b)
-        assert e.backend == "reference"
-        assert "statistics in x's dtype" in next(c.reason for c in e.candidates if c.backend == "aten")
-    check_against_oracle("y", got, kg.layer_norm(x.detach(), w, b), oracle_op(x.double(), w.double(), b.double()), dtype)
-
-
-def _special_check(backend, device):
-    x = torch.randn(4, 16, device=device)
-    x[0, 3] = float("nan")
-    x[1, 5] = float("inf")
-    x[2, :] = 7.0  # a constant row: variance 0, rstd = 1/sqrt(eps), y = bias
-    w, b = torch.randn(16, device=device), torch.randn(16, device=device)
-    with kg.use(force={"layer_norm": backend}):
-        y = kg.layer_norm(x, w, b)
-    o = oracle_op(x.double(), w.double(), b.double(), 1e-5)
-    check_against_oracle("y", y, kg.layer_norm(x, w, b), o)
-
-
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
-def test_cpu_specialvalues(backend):
-    _special_check(backend, "cpu")
-
-
-def _empty_check(backend, device):
-    x = torch.randn(0, 8, device=device, requires_grad=True)
-    w = torch.randn(8, device=device, requires_grad=True)
-    b = torch.randn(8, device=device, requires_grad=True)
-    with kg.use(force={"layer_norm": backend}):
-        y = kg.layer_norm(x, w, b)
-        y.sum().backward()
-    assert y.shape == (0, 8) and x.grad.shape == (0, 8)
-    assert torch.equal(w.grad, torch.zeros(8, device=device))
-    assert torch.equal(b.grad, torch.zeros(8, device=device))
-
-
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
-def test_cpu_empty_rows(backend):
-    _empty_check(backend, "cpu")
+def test_cpu_eps_zero(backend):
+    check_backend(backend, "cpu", torch.float32, (4,), 65, eps=0.0)
 
 
 def test_only_some_parameters_require_grad():
@@ -230,44 +161,6 @@ def test_meta_shapes():
 
 # ---- PyTorch integration ----------------------------------------------------------------------
 
-def _opcheck_args(device):
-    x = torch.randn(3, 5, 33, device=device, requires_grad=True)
-    w = torch.randn(33, device=device, requires_grad=True)
-    b = torch.randn(33, device=device, requires_grad=True)
-    return [(x, w, b, 1e-5), (x.detach(), None, None, 1e-6), (x, None, b, 1e-5), (x, w, None, 1e-5)]
-
-
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
-def test_opcheck_cpu(backend):
-    with kg.use(force={"layer_norm": backend}):
-        for args in _opcheck_args("cpu"):
-            torch.library.opcheck(torch.ops.kernelgate.layer_norm.default, args)
-
-
-def _compile_check(device, backend_name):
-    def block(x, w, b):
-        h = kg.layer_norm(x, w, b) * 2.0
-        return kg.layer_norm(h + x, None, b, eps=1e-6)
-
-    torch._dynamo.reset()
-    compiled = torch.compile(block, fullgraph=True)
-    x = torch.randn(4, 6, 48, device=device, requires_grad=True)
-    w = torch.randn(48, device=device, requires_grad=True)
-    b = torch.randn(48, device=device, requires_grad=True)
-    with kg.use(force={"layer_norm": backend_name}):
-        y = compiled(x, w, b)
-        got = torch.autograd.grad(y.sum(), [x, w, b])
-        ye = block(x, w, b)
-        exp = torch.autograd.grad(ye.sum(), [x, w, b])
-    torch.testing.assert_close(y, ye)
-    for a, e in zip(got, exp):
-        torch.testing.assert_close(a, e)
-
-
-def test_torch_compile_fullgraph_cpu():
-    _compile_check("cpu", "reference")
-
-
 def test_cpp_and_python_share_one_op():
     x = torch.randn(3, 9)
     assert torch.equal(kg.layer_norm(x), torch.ops.kernelgate.layer_norm(x))
@@ -275,8 +168,10 @@ def test_cpp_and_python_share_one_op():
 
 # ---- GPU (run on the GPU machine: pytest -m gpu) --------------------------------------------------
 
-GPU_SHAPES = SHAPES + [((64,), 2048), ((33,), 4096), ((16,), 8192), ((3,), 12288), ((5,), 16384),
-                       ((2,), 32768), ((2,), 32768 + 8), ((4,), 65536), ((2,), 1 << 17)]
+# Widths and row counts the quick grid does not make (its hidden edges are 1, 2, 33, 127-129,
+# 4095-4097, 65535 and 65536 at 256 rows), and multi-dim rows at a vectorised width.
+GPU_SHAPES = [((64,), 2048), ((16,), 8192), ((3,), 12288), ((5,), 16384), ((2,), 32768), ((2,), 32768 + 8),
+              ((2,), 1 << 17), ((2, 5), 4097)]
 
 
 @pytest.mark.gpu
@@ -294,13 +189,15 @@ def test_gpu_shapes(backend, dtype, rows_shape, hidden, with_weight, with_bias):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("hidden", [130, 4096])
 def test_gpu_noncontiguous(backend, layout, dtype, hidden):
+    # The grid's layouts are on its mid-size shape (256 wide); here an odd and a production width.
     check_backend(backend, "cuda", dtype, (6,), hidden, layout=layout)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("regime,dtype,hidden", list(itertools.product(["large", "small", "offset"], DTYPES, [257, 4096])))
-def test_gpu_value_regimes(regime, dtype, hidden):
-    check_backend("kernelgate_cuda", "cuda", dtype, (9,), hidden, regime=regime)
+@pytest.mark.parametrize("regime", ["large", "small", "offset"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gpu_value_regimes_production_width(regime, dtype):
+    check_backend("kernelgate_cuda", "cuda", dtype, (9,), 4096, regime=regime)
 
 
 @pytest.mark.gpu
@@ -325,50 +222,5 @@ def test_gpu_many_rows_seeds(with_weight, with_bias, seed, rows, hidden):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", CUDA_BACKENDS)
-def test_gpu_specialvalues(backend):
-    _special_check(backend, "cuda")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("backend", CUDA_BACKENDS)
-def test_gpu_empty_rows(backend):
-    _empty_check(backend, "cuda")
-
-
-@pytest.mark.gpu
 def test_gpu_explain_key():
     assert "sm_" in kg.explain("layer_norm", torch.randn(2, 64, device="cuda")).key
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("backend", CUDA_BACKENDS)
-def test_gpu_opcheck(backend):
-    with kg.use(force={"layer_norm": backend}):
-        for args in _opcheck_args("cuda"):
-            torch.library.opcheck(torch.ops.kernelgate.layer_norm.default, args)
-
-
-@pytest.mark.gpu
-def test_gpu_torch_compile_fullgraph():
-    _compile_check("cuda", "kernelgate_cuda")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("backend", CUDA_BACKENDS)
-def test_gpu_cuda_graph_capture_and_replay(backend):
-    x = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    w = torch.randn(1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    b = torch.randn(1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16)
-
-    def step():
-        y = kg.layer_norm(x, w, b)
-        return (y, *torch.autograd.grad(y, [x, w, b], dy))
-
-    def refill():
-        x.copy_(torch.randn_like(x) + 3.0)
-        dy.copy_(torch.randn_like(dy))
-
-    with kg.use(force={"layer_norm": backend}):
-        assert_cuda_graph_replays(step, refill)

@@ -1,8 +1,11 @@
-"""linear_cross_entropy: every backend against the float64 oracle (loss, grad hidden, grad
-weight, grad bias) with and without bias, for several chunk counts, every reduction, label
-smoothing, ignored rows, int32/int64 targets, partial gradient masks and non-contiguous inputs;
-the precision of the chunked grad_weight accumulation; the inference path; the recomputing
-backward; opcheck, torch.compile, clear errors; on the GPU also CUDA graphs."""
+"""linear_cross_entropy: what is special to it. test_contracts.py checks every backend against the
+float64 oracle on the generated cases (shapes, strided hidden, regimes, dtypes, each reduction,
+label smoothing with the mean, no bias), opcheck, torch.compile, the refused double backward and
+CUDA graphs, all with the automatic chunk size. Here: forced chunk counts (1 row to all rows, on
+odd shapes too), label smoothing with every reduction, ignored rows, int32 targets, a strided
+weight, partial gradient masks, the precision of the chunked grad_weight accumulation, float16
+subnormal gradients, the inference path, the recomputing backward, the cotangent's scaling, vocab
+sizes the quick grid does not make, and clear errors for bad input."""
 
 import contextlib
 import math
@@ -12,12 +15,14 @@ import torch
 import torch.nn.functional as F
 
 import kernelgate as kg
-from kernelgate.testing import (FACTOR, FLOOR, _metrics, assert_cuda_graph_replays, check_against_oracle,
-                                poison_cuda_allocator)
+from kernelgate.testing import check_against_oracle, oracle_metrics, poison_cuda_allocator
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 REDUCTIONS = ["mean", "sum", "none"]
 IGNORE = -100
+# The internal ops' gradient mask: a bit per tensor argument (hidden, weight, target, bias).
+NEEDS_HIDDEN, NEEDS_WEIGHT, NEEDS_BIAS = 1, 2, 8
+NEEDS_ALL = NEEDS_HIDDEN | NEEDS_WEIGHT | NEEDS_BIAS
 OP = "linear_cross_entropy"
 oracle_op = torch.ops.kernelgate._linear_cross_entropy_reference
 set_chunk_rows = torch.ops.kernelgate._linear_cross_entropy_set_chunk_rows
@@ -116,12 +121,11 @@ CPU_BACKENDS = ["reference", "kernelgate_cpu"]
 SHAPES = [(1, 1, 1), (0, 4, 3), (5, 7, 3), (17, 16, 1001), (33, 8, 50), (64, 32, 130)]
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("red", REDUCTIONS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rows,hidden,classes", SHAPES)
-def test_cpu_shapes(backend, red, dtype, rows, hidden, classes):
-    check(backend, "cpu", dtype, rows, hidden, classes, red=red, chunk=4)
+def test_cpu_odd_shapes_in_chunks_of_4(red, rows, hidden, classes):
+    # The generated cases take the automatic chunk size: one chunk at their sizes.
+    check("kernelgate_cpu", "cpu", torch.float32, rows, hidden, classes, red=red, chunk=4)
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
@@ -182,7 +186,8 @@ def _zipf_case(rows, hidden, classes, dtype, device, seed=0):
 
 
 def grad_weight_errors(backend, dtype, device, rows, hidden, classes, chunks):
-    """(metrics of backend's grad_weight, of the materialised reference's) against the oracle."""
+    """The oracle rule's verdict and metrics (kernelgate.testing.oracle_metrics) of backend's
+    grad_weight, whose budget is the materialised reference's error, and the three tensors."""
     h, w, t = _zipf_case(rows, hidden, classes, dtype, device)
 
     def gw(fn, hh, ww):
@@ -195,8 +200,7 @@ def grad_weight_errors(backend, dtype, device, rows, hidden, classes, chunks):
     with kg.use(force={OP: "reference"}):
         ref = gw(lambda a, b: kg.linear_cross_entropy(a, b, t), h, w)
     ora = gw(lambda a, b: oracle_op(a, b, t), h.double(), w.double())
-    finite = torch.ones_like(ora, dtype=torch.bool)
-    return _metrics(got, ora.cpu(), finite), _metrics(ref, ora.cpu(), finite), (got, ref, ora)
+    return oracle_metrics(f"grad_weight ({backend})", got, ref, ora, dtype), (got, ref, ora)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -207,16 +211,18 @@ def test_cpu_grad_weight_precision_of_chunk_accumulation(dtype, chunks):
     (pytest -s) and bounded by a random walk of `chunks` roundings, and with LM-like (Zipf)
     targets it exceeds the oracle rule, which is why it is not the default."""
     rows, hidden, classes = 2048, 64, 1024
-    (l2, mx), (rl2, rmx), (got, ref, ora) = grad_weight_errors("kernelgate_cpu", dtype, "cpu", rows, hidden, classes, chunks)
-    check_against_oracle("grad_weight (float32 accumulation)", got, ref, ora, dtype)
-    (nl2, nmx), _, _ = grad_weight_errors("kernelgate_cpu_narrow_accum", dtype, "cpu", rows, hidden, classes, chunks)
+    wide, _ = grad_weight_errors("kernelgate_cpu", dtype, "cpu", rows, hidden, classes, chunks)
+    assert not wide["failure"], wide["failure"]
+    narrow, _ = grad_weight_errors("kernelgate_cpu_narrow_accum", dtype, "cpu", rows, hidden, classes, chunks)
+    l2, mx, rl2, rmx = wide["rel_l2"], wide["max_over_rms"], wide["ref_rel_l2"], wide["ref_max_over_rms"]
+    nl2, nmx = narrow["rel_l2"], narrow["max_over_rms"]
     print(f"\n{dtype}, {chunks} chunks, grad_weight error vs oracle (rel_l2 / max_over_rms): "
           f"materialised {rl2:.2e} / {rmx:.2e}; float32 accumulation {l2:.2e} / {mx:.2e}; "
           f"{dtype} accumulation {nl2:.2e} / {nmx:.2e}")
     assert nl2 <= 2 * math.sqrt(chunks) * rl2 and nmx <= 2 * math.sqrt(chunks) * rmx
     assert nl2 > l2  # the measurement resolves the difference
     if dtype == torch.bfloat16:
-        assert nmx > FACTOR * rmx + FLOOR[dtype]  # outside the oracle rule: not a default backend
+        assert narrow["failure"], narrow  # outside the oracle rule: not a default backend
 
 
 @pytest.mark.parametrize("red", REDUCTIONS)
@@ -250,8 +256,8 @@ def test_cpu_recomputing_backward_matches_precomputed(backend, red):
     (h, w, b), t = _inputs(30, 12, 70, torch.float32, "cpu", gen, "normal", 0.2, torch.int64)
     dloss = torch.tensor(0.7)
     with kg.use(force={OP: backend}), chunk_rows(8):
-        loss, lse, gh, gw, gb = torch.ops.kernelgate._linear_cross_entropy_fwd(h, w, t, b, IGNORE, 0.1, red, True, True, True)
-        rh, rw, rb = torch.ops.kernelgate._linear_cross_entropy_bwd(dloss, h, w, t, b, lse, IGNORE, 0.1, red, True, True, True)
+        loss, lse, gh, gw, gb = torch.ops.kernelgate._linear_cross_entropy_fwd(h, w, t, b, IGNORE, 0.1, red, NEEDS_ALL)
+        rh, rw, rb = torch.ops.kernelgate._linear_cross_entropy_bwd(dloss, h, w, t, b, lse, IGNORE, 0.1, red, NEEDS_ALL)
     for p, r in [(gh, rh), (gw, rw), (gb, rb)]:
         torch.testing.assert_close(p * dloss, r)
 
@@ -341,54 +347,28 @@ def test_meta_shapes():
     t = torch.empty(5, device="meta", dtype=torch.long)
     assert kg.linear_cross_entropy(h, w, t).shape == ()
     assert kg.linear_cross_entropy(h, w, t, b, reduction="none").shape == (5,)
-    loss, lse, gh, gw, gb = torch.ops.kernelgate._linear_cross_entropy_fwd(h, w, t, b, IGNORE, 0.0, "sum", True, False, True)
+    loss, lse, gh, gw, gb = torch.ops.kernelgate._linear_cross_entropy_fwd(h, w, t, b, IGNORE, 0.0, "sum", NEEDS_HIDDEN | NEEDS_BIAS)
     assert lse.shape == (5,) and gh.shape == (5, 8) and gw.shape == (0,) and gb.shape == (11,)
 
 
 # ---- PyTorch integration ----------------------------------------------------------------------
 
-def _opcheck_args(device):
-    h = torch.randn(9, 6, device=device, requires_grad=True)
-    w = torch.randn(13, 6, device=device, requires_grad=True)
-    b = torch.randn(13, device=device, requires_grad=True)
-    t = torch.tensor([0, 5, -100, 12, 1, 7, 3, 3, 2], device=device)
-    return [(h, w, t), (h, w, t.int(), b, -100, 0.1, "sum"), (h.detach(), w, t, None, -100, 0.0, "none"),
-            (h, w.detach(), t, b, -100, 0.2, "none"), (h.detach(), w.detach(), t, b.detach())]
-
-
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
-def test_opcheck_cpu(backend):
+def test_opcheck_chunked_and_int32_target(backend):
+    # The generated cases' targets are int64 and take one chunk.
+    h = torch.randn(9, 6, requires_grad=True)
+    w = torch.randn(13, 6, requires_grad=True)
+    b = torch.randn(13, requires_grad=True)
+    t = torch.tensor([0, 5, -100, 12, 1, 7, 3, 3, 2], dtype=torch.int32)
     with kg.use(force={OP: backend}), chunk_rows(4):
-        for args in _opcheck_args("cpu"):
+        for args in [(h, w, t, b, -100, 0.1, "sum"), (h, w.detach(), t, b, -100, 0.2, "none")]:
             torch.library.opcheck(torch.ops.kernelgate.linear_cross_entropy.default, args)
-
-
-def _compile_check(device, backend):
-    def head(x, w1, w2, t):
-        return kg.linear_cross_entropy(torch.tanh(x @ w1), w2, t, label_smoothing=0.1)
-
-    torch._dynamo.reset()
-    compiled = torch.compile(head, fullgraph=True)
-    x = torch.randn(12, 16, device=device, requires_grad=True)
-    w1 = torch.randn(16, 8, device=device, requires_grad=True)
-    w2 = torch.randn(40, 8, device=device, requires_grad=True)
-    t = torch.randint(0, 40, (12,), device=device)
-    with kg.use(force={OP: backend}), chunk_rows(5):
-        y = compiled(x, w1, w2, t)
-        g = torch.autograd.grad(y, [x, w1, w2])
-        ye = head(x, w1, w2, t)
-        ge = torch.autograd.grad(ye, [x, w1, w2])
-    torch.testing.assert_close(y, ye)
-    torch.testing.assert_close(g, ge)
-
-
-def test_torch_compile_fullgraph_cpu():
-    _compile_check("cpu", "kernelgate_cpu")
 
 
 # ---- GPU (run on the GPU machine: pytest -m gpu) --------------------------------------------------
 
 GPU_BACKENDS = ["reference", "kernelgate_cuda"]
+# Vocab sizes the quick grid does not make, and its own odd shapes in chunks of 4.
 GPU_SHAPES = SHAPES + [(300, 128, 32003), (64, 64, 128256), (257, 96, 4099)]
 
 
@@ -444,38 +424,3 @@ def test_gpu_cotangent_values(backend, red, dtype, dloss_value):
     # The forward's gradients are scaled by the cotangent in the backward; on CUDA that pass is
     # skipped when the cotangent is exactly 1, and must apply every other value (-1, 0 too).
     check(backend, "cuda", dtype, 67, 40, 1001, red=red, chunk=16, dloss_value=dloss_value)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("backend", GPU_BACKENDS)
-def test_gpu_opcheck(backend):
-    with kg.use(force={OP: backend}), chunk_rows(4):
-        for args in _opcheck_args("cuda"):
-            torch.library.opcheck(torch.ops.kernelgate.linear_cross_entropy.default, args)
-
-
-@pytest.mark.gpu
-def test_gpu_torch_compile_fullgraph():
-    _compile_check("cuda", "kernelgate_cuda")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("backend", GPU_BACKENDS)
-@pytest.mark.parametrize("red", REDUCTIONS)
-def test_gpu_cuda_graph_capture_and_replay(backend, red):
-    gen = torch.Generator().manual_seed(9)
-    (h, w, b), t = _inputs(96, 64, 3001, torch.bfloat16, "cuda", gen, "normal", 0.2, torch.int64)
-    h, w, b = (x.requires_grad_() for x in (h, w, b))
-    dy = torch.randn((96,) if red == "none" else (), device="cuda", dtype=torch.bfloat16)
-
-    def step():
-        y = kg.linear_cross_entropy(h, w, t, b, IGNORE, 0.1, red)
-        return (y, *torch.autograd.grad(y, [h, w, b], dy))
-
-    def refill():
-        h.copy_(torch.randn_like(h))
-        t.copy_(torch.randint(0, 3001, (96,), device="cuda"))
-        dy.copy_(torch.randn_like(dy))
-
-    with kg.use(force={OP: backend}), chunk_rows(32):
-        assert_cuda_graph_replays(step, refill)

@@ -1,18 +1,19 @@
-"""rms_norm: every backend against the float64 oracle, forward and both gradients, on odd shapes,
-non-contiguous layouts and hard value regimes; autograd, opcheck, torch.compile, CUDA graphs and
-clear errors for bad input."""
-
-import itertools
+"""rms_norm: what is special to it. test_contracts.py checks every backend against the float64
+oracle on the generated cases (shapes, layouts, regimes, dtypes, eps, no weight), opcheck,
+torch.compile, double backward and CUDA graphs. Here: eps = 0 (not a contract test value), the CPU
+kernel on long rows the CPU grid does not reach, the GPU kernels on hidden sizes and row counts
+the quick grid does not make, the dispatcher's decisions, logging and overrides, and clear errors
+for bad input."""
 
 import pytest
 import torch
 
 import kernelgate as kg
-from kernelgate.testing import assert_cuda_graph_replays, check_against_oracle, poison_cuda_allocator
+from kernelgate.testing import check_against_oracle, poison_cuda_allocator
 from norm_inputs import layouts, values
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-CPU_BACKENDS = ["reference", "kernelgate_cpu"]  # aten's fused backward is CUDA-only: see below
+CPU_BACKENDS = ["reference", "kernelgate_cpu"]  # aten: forward only on the CPU (test_contracts)
 CUDA_BACKENDS = ["reference", "aten", "kernelgate_cuda"]
 
 oracle_op = torch.ops.kernelgate._rms_norm_reference
@@ -61,85 +62,16 @@ def check_backend(backend, device, dtype, rows_shape, hidden, layout="contiguous
 
 # ---- CPU (runs in CI) ------------------------------------------------------------------------
 
-SHAPES = [((1,), 1), ((1,), 7), ((3,), 33), ((17,), 4096), ((5,), 1000), ((2, 5), 4097), ((2, 3, 4), 64)]
-
-
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("rows_shape,hidden", SHAPES)
-def test_cpu_shapes(backend, dtype, rows_shape, hidden):
-    check_backend(backend, "cpu", dtype, rows_shape, hidden)
+@pytest.mark.parametrize("rows_shape,hidden", [((17,), 4096), ((5,), 1000), ((2, 5), 4097)])
+def test_cpu_kernel_long_rows(dtype, rows_shape, hidden):
+    # The CPU grid stops at 2^14 elements: rows of 1000 to 4097 elements, with vector tails.
+    check_backend("kernelgate_cpu", "cpu", dtype, rows_shape, hidden)
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
-@pytest.mark.parametrize("layout", ["transposed", "row_strided", "offset", "expanded"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_cpu_noncontiguous(backend, layout, dtype):
-    check_backend(backend, "cpu", dtype, (6,), 130, layout=layout)
-
-
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
-@pytest.mark.parametrize("regime", ["large", "small", "offset"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_cpu_value_regimes(backend, regime, dtype):
-    check_backend(backend, "cpu", dtype, (9,), 257, regime=regime)
-
-
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
-@pytest.mark.parametrize("eps", [0.0, 1e-5, 0.1])
-def test_cpu_no_weight_and_eps(backend, eps):
-    check_backend(backend, "cpu", torch.float32, (4,), 65, with_weight=False, eps=eps, regime="small")
-
-
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
-@pytest.mark.parametrize("seed", [1, 2, 3])
-def test_cpu_fresh_inputs_per_seed(backend, seed):
-    check_backend(backend, "cpu", torch.bfloat16, (7,), 96, seed=seed)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("rows_shape,hidden", SHAPES)
-def test_cpu_aten_forward(dtype, rows_shape, hidden):
-    gen = torch.Generator().manual_seed(5)
-    x = values((*rows_shape, hidden), "normal", dtype, "cpu", gen)
-    w = values((hidden,), "normal", dtype, "cpu", gen)
-    with kg.use(force={"rms_norm": "aten"}):
-        assert kg.explain("rms_norm", x, w).backend == "aten"
-        got = kg.rms_norm(x, w)
-        # With grad it cannot serve on the CPU, and says why.
-        e = kg.explain("rms_norm", x.requires_grad_(), w)
-        assert e.backend == "reference"
-        assert "exists only for CUDA" in next(c.reason for c in e.candidates if c.backend == "aten")
-    check_against_oracle("y", got, kg.rms_norm(x.detach(), w), oracle_op(x.double(), w.double()), dtype)
-
-
-def _special_check(backend, device):
-    x = torch.randn(4, 16, device=device)
-    x[0, 3] = float("nan")
-    x[1, 5] = float("inf")
-    x[2, :] = 0.0  # an all-zero row: rstd = 1/sqrt(eps), y = 0
-    w = torch.randn(16, device=device)
-    with kg.use(force={"rms_norm": backend}):
-        y = kg.rms_norm(x, w)
-    o = oracle_op(x.double(), w.double(), 1e-6)
-    check_against_oracle("y", y, kg.rms_norm(x, w), o)
-
-
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
-def test_cpu_specialvalues(backend):
-    _special_check(backend, "cpu")
-
-
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
-def test_cpu_empty_rows(backend):
-    x = torch.randn(0, 8, requires_grad=True)
-    w = torch.randn(8, requires_grad=True)
-    with kg.use(force={"rms_norm": backend}):
-        y = kg.rms_norm(x, w)
-        y.sum().backward()
-    assert y.shape == (0, 8)
-    assert x.grad.shape == (0, 8)
-    assert torch.equal(w.grad, torch.zeros(8))
+def test_cpu_eps_zero(backend):
+    check_backend(backend, "cpu", torch.float32, (4,), 65, with_weight=False, eps=0.0, regime="small")
 
 
 def test_default_is_reference_and_policy_routes():
@@ -239,42 +171,6 @@ def test_meta_shapes():
 
 # ---- PyTorch integration ----------------------------------------------------------------------
 
-def _opcheck_args(device):
-    x = torch.randn(3, 5, 33, device=device, requires_grad=True)
-    w = torch.randn(33, device=device, requires_grad=True)
-    return [(x, w, 1e-6), (x.detach(), None, 1e-5), (x, None, 1e-6)]
-
-
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
-def test_opcheck_cpu(backend):
-    with kg.use(force={"rms_norm": backend}):
-        for args in _opcheck_args("cpu"):
-            torch.library.opcheck(torch.ops.kernelgate.rms_norm.default, args)
-
-
-def _compile_check(device, backend_name):
-    def block(x, w):
-        h = kg.rms_norm(x, w) * 2.0
-        return kg.rms_norm(h + x, None, eps=1e-5)
-
-    torch._dynamo.reset()
-    compiled = torch.compile(block, fullgraph=True)
-    x = torch.randn(4, 6, 48, device=device, requires_grad=True)
-    w = torch.randn(48, device=device, requires_grad=True)
-    with kg.use(force={"rms_norm": backend_name}):
-        y = compiled(x, w)
-        gx, gw = torch.autograd.grad(y.sum(), [x, w])
-        ye = block(x, w)
-        ex, ew = torch.autograd.grad(ye.sum(), [x, w])
-    torch.testing.assert_close(y, ye)
-    torch.testing.assert_close(gx, ex)
-    torch.testing.assert_close(gw, ew)
-
-
-def test_torch_compile_fullgraph_cpu():
-    _compile_check("cpu", "kernelgate_cpu")
-
-
 def test_cpp_and_python_share_one_op():
     x = torch.randn(3, 9)
     assert torch.equal(kg.rms_norm(x), torch.ops.kernelgate.rms_norm(x))
@@ -282,8 +178,9 @@ def test_cpp_and_python_share_one_op():
 
 # ---- GPU (run on the GPU machine: pytest -m gpu) --------------------------------------------------
 
-GPU_SHAPES = [((1,), 1), ((1,), 7), ((3,), 33), ((5,), 1000), ((2, 5), 4097), ((2, 3, 4), 64),
-              ((64,), 2048), ((33,), 4096), ((16,), 8192), ((3,), 12288), ((2,), 65536 + 8), ((4,), 1 << 17)]
+# Hidden sizes and row counts the quick grid does not make (its hidden edges are 1, 2, 33, 127-129,
+# 4095-4097, 65535 and 65536 at 256 rows): production widths, past 2^16, and many rows.
+GPU_SHAPES = [((64,), 2048), ((16,), 8192), ((3,), 12288), ((2,), 65536 + 8), ((4,), 1 << 17)]
 
 
 @pytest.mark.gpu
@@ -300,13 +197,15 @@ def test_gpu_shapes(backend, dtype, rows_shape, hidden):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("hidden", [130, 4096])
 def test_gpu_noncontiguous(backend, layout, dtype, hidden):
+    # The grid's layouts are on its mid-size shape (256 wide); here an odd and a production width.
     check_backend(backend, "cuda", dtype, (6,), hidden, layout=layout)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("regime,dtype,hidden", list(itertools.product(["large", "small", "offset"], DTYPES, [257, 4096])))
-def test_gpu_value_regimes(regime, dtype, hidden):
-    check_backend("kernelgate_cuda", "cuda", dtype, (9,), hidden, regime=regime)
+@pytest.mark.parametrize("regime", ["large", "small", "offset"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gpu_value_regimes_production_width(regime, dtype):
+    check_backend("kernelgate_cuda", "cuda", dtype, (9,), 4096, regime=regime)
 
 
 @pytest.mark.gpu
@@ -318,55 +217,11 @@ def test_gpu_many_rows_seeds(with_weight, seed):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", CUDA_BACKENDS)
-def test_gpu_specialvalues(backend):
-    _special_check(backend, "cuda")
-
-
-@pytest.mark.gpu
-def test_gpu_empty_and_dispatch():
-    x = torch.randn(0, 64, device="cuda", requires_grad=True)
-    with kg.use(force="kernelgate_cuda"):
-        y = kg.rms_norm(x, None)
-        y.sum().backward()
-    assert y.shape == (0, 64) and x.grad.shape == (0, 64)
-    e = kg.explain("rms_norm", torch.randn(2, 64, device="cuda"))
-    assert "sm_" in e.key
+def test_gpu_explain_key():
+    assert "sm_" in kg.explain("rms_norm", torch.randn(2, 64, device="cuda")).key
 
 
 @pytest.mark.gpu
 def test_gpu_device_mismatch():
     with pytest.raises(RuntimeError, match=r"weight must be on the same device as x \(cuda:0\), got cpu"):
         kg.rms_norm(torch.randn(2, 8, device="cuda"), torch.randn(8))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("backend", CUDA_BACKENDS)
-def test_gpu_opcheck(backend):
-    with kg.use(force={"rms_norm": backend}):
-        for args in _opcheck_args("cuda"):
-            torch.library.opcheck(torch.ops.kernelgate.rms_norm.default, args)
-
-
-@pytest.mark.gpu
-def test_gpu_torch_compile_fullgraph():
-    _compile_check("cuda", "kernelgate_cuda")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("backend", CUDA_BACKENDS)
-def test_gpu_cuda_graph_capture_and_replay(backend):
-    x = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    w = torch.randn(1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16)
-
-    def step():
-        y = kg.rms_norm(x, w)
-        return (y, *torch.autograd.grad(y, [x, w], dy))
-
-    def refill():
-        x.copy_(torch.randn_like(x))
-        dy.copy_(torch.randn_like(dy))
-
-    with kg.use(force={"rms_norm": backend}):
-        assert_cuda_graph_replays(step, refill)

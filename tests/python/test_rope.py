@@ -1,6 +1,12 @@
-"""rope and qk_norm_rope: every backend against the float64 oracle, forward and every gradient
-(q, k; q_weight, k_weight), on odd head_dims, seq 1 and odd seqs, GQA, cos/sin shared by the batch
-or per batch, strided q/k and hard values; autograd, opcheck, torch.compile, clear errors.
+"""rope and qk_norm_rope: what is special to them. test_contracts.py checks every backend against
+the float64 oracle on the generated cases (head_dim, seq, head counts and batch edges, every dtype,
+q in several value regimes, eps), opcheck, torch.compile, double backward (refused by rope) and
+CUDA graphs. The generated cases lay out nothing of these 4-dim tensors and always share cos/sin
+across the batch, so here: strided q and k (transposed projections, padded rows, unaligned,
+last dim strided), cos/sin per batch and expanded, real rotary tables, the reference's accuracy in
+absolute terms, the formula and the rotation's transpose, gradients of only some inputs, one
+output unused, the fused op against its composition, head dims and position counts the quick grid
+does not make, and clear errors for bad input.
 
 cos and sin are constants to autograd (the reference detaches them): the tests never request
 their gradient except to check that none is produced."""
@@ -9,7 +15,7 @@ import pytest
 import torch
 
 import kernelgate as kg
-from kernelgate.testing import _metrics, assert_cuda_graph_replays, check_against_oracle, poison_cuda_allocator
+from kernelgate.testing import assert_cuda_graph_replays, check_against_oracle, oracle_metrics, poison_cuda_allocator
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 OPS = ["rope", "qk_norm_rope"]
@@ -137,7 +143,9 @@ def assert_reference_accurate(name, ref, oracle, dtype):
     reference would pass it: this is what makes the reference backend's tests able to fail."""
     o = oracle.detach().double().cpu()
     finite = o.isfinite()
-    l2, mx = _metrics(ref.detach().cpu(), o, finite)
+    m = oracle_metrics(name, ref.cpu(), ref.cpu(), o, dtype)  # the reference's own error
+    assert not m["failure"], m["failure"]  # its NaN / Inf pattern is the oracle's
+    l2, mx = m["rel_l2"], m["max_over_rms"]
     if o[finite].numel() == 0 or o[finite].abs().max() == 0:
         return
     of = o[finite]
@@ -212,15 +220,8 @@ def test_cpu_value_regimes(op, regime, cos_kind, dtype):
     check(op, "reference", "cpu", dtype, (2, 4, 2, 6, 64), regime=regime, cos_kind=cos_kind)
 
 
-@pytest.mark.parametrize("eps", [0.0, 1e-5, 0.1])
-def test_cpu_qk_norm_eps(eps):
-    check("qk_norm_rope", "reference", "cpu", torch.float32, (1, 2, 1, 3, 16), regime="small", eps=eps)
-
-
-@pytest.mark.parametrize("seed", [1, 2, 3])
-def test_cpu_fresh_inputs_per_seed(seed):
-    for op in OPS:
-        check(op, "reference", "cpu", torch.bfloat16, (2, 4, 2, 5, 32), seed=seed)
+def test_cpu_qk_norm_eps_zero():
+    check("qk_norm_rope", "reference", "cpu", torch.float32, (1, 2, 1, 3, 16), regime="small", eps=0.0)
 
 
 def test_reference_matches_the_formula():
@@ -445,61 +446,24 @@ def test_meta_shapes():
 
 # ---- PyTorch integration ----------------------------------------------------------------------
 
-def _opcheck_args(op, device):
-    q = torch.randn(2, 4, 5, 6, device=device, requires_grad=True)
-    k = torch.randn(2, 2, 5, 6, device=device, requires_grad=True)
-    qt = torch.randn(2, 5, 4, 6, device=device).transpose(1, 2).requires_grad_(True)
-    c, s = torch.randn(1, 5, 6, device=device), torch.randn(1, 5, 6, device=device)
-    c2, s2 = torch.randn(2, 5, 6, device=device), torch.randn(2, 5, 6, device=device)
-    if op == "rope":
-        return [(q, k, c, s), (q.detach(), k.detach(), c, s), (qt, k, c2, s2)]
-    w1 = torch.randn(6, device=device, requires_grad=True)
-    w2 = torch.randn(6, device=device, requires_grad=True)
-    return [(q, k, w1, w2, c, s, 1e-6), (q.detach(), k.detach(), w1.detach(), w2.detach(), c, s, 1e-5),
-            (qt, k, w1.detach(), w2, c2, s2, 0.1)]
-
-
 @pytest.mark.parametrize("op", OPS)
-def test_opcheck_cpu(op):
-    for args in _opcheck_args(op, "cpu"):
+def test_opcheck_strided_q(op):
+    # The generated cases lay out no 4-dim tensor: a [b, s, h, d] projection viewed as [b, h, s, d]
+    # and per-batch cos / sin, with and without gradients.
+    qt = torch.randn(2, 5, 4, 6).transpose(1, 2).requires_grad_(True)
+    k = torch.randn(2, 2, 5, 6, requires_grad=True)
+    c, s = torch.randn(2, 5, 6), torch.randn(2, 5, 6)
+    w1, w2 = torch.randn(6, requires_grad=True), torch.randn(6)
+    for args in [(qt, k, c, s), (qt.detach(), k.detach(), c, s)]:
+        if op == "qk_norm_rope":
+            args = (*args[:2], w1 if args[0].requires_grad else w1.detach(), w2, *args[2:], 0.1)
         torch.library.opcheck(getattr(torch.ops.kernelgate, op).default, args)
-
-
-def _compile_check(device, backend):
-    def attn_prep(x, wq, wk, qn, kn, c, s):
-        b, t, _ = x.shape
-        q = (x @ wq).view(b, t, 4, 16).transpose(1, 2)  # strided, as from a projection
-        k = (x @ wk).view(b, t, 2, 16).transpose(1, 2)
-        q1, k1 = kg.rope(q, k, c, s)
-        q2, k2 = kg.qk_norm_rope(q, k, qn, kn, c, s)
-        return (q1 * q2).sum() + (k1 * k2).sum()
-
-    torch._dynamo.reset()
-    compiled = torch.compile(attn_prep, fullgraph=True)
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 5, 32, generator=gen).to(device).requires_grad_(True)
-    wq = torch.randn(32, 64, generator=gen).to(device).requires_grad_(True)
-    wk = torch.randn(32, 32, generator=gen).to(device).requires_grad_(True)
-    qn = torch.randn(16, generator=gen).to(device).requires_grad_(True)
-    kn = torch.randn(16, generator=gen).to(device).requires_grad_(True)
-    c, s = (t.float().to(device) for t in _cos_sin(1, 5, 16, "hf", gen))
-    with kg.use(force={"rope": backend, "qk_norm_rope": backend}):
-        y = compiled(x, wq, wk, qn, kn, c, s)
-        gc = torch.autograd.grad(y, [x, wq, wk, qn, kn])
-        ye = attn_prep(x, wq, wk, qn, kn, c, s)
-        ge = torch.autograd.grad(ye, [x, wq, wk, qn, kn])
-    torch.testing.assert_close(y, ye)
-    for a, b in zip(gc, ge):
-        torch.testing.assert_close(a, b)
-
-
-def test_torch_compile_fullgraph_cpu():
-    _compile_check("cpu", "reference")
 
 
 # ---- GPU (run on the GPU machine: pytest -m gpu) --------------------------------------------------
 
 CUDA_BACKENDS = ["reference", "kernelgate_cuda"]
+# The CPU shapes (GQA, per-batch cos) and head dims and head counts the quick grid does not make.
 GPU_SHAPES = SHAPES + [
     (4, 32, 8, 64, 128, 1),   # the production head layout (GQA 4:1, head_dim 128)
     (2, 8, 2, 33, 96, 2),     # head_dim 96: 6 vector lanes (padded to 8 in qk_norm_rope)
@@ -546,9 +510,8 @@ def test_gpu_value_regimes(op, regime, cos_kind, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("eps", [0.0, 1e-5, 0.1])
-def test_gpu_qk_norm_eps(eps):
-    check("qk_norm_rope", "kernelgate_cuda", "cuda", torch.float32, (1, 2, 1, 3, 128), regime="small", eps=eps)
+def test_gpu_qk_norm_eps_zero():
+    check("qk_norm_rope", "kernelgate_cuda", "cuda", torch.float32, (1, 2, 1, 3, 128), regime="small", eps=0.0)
 
 
 @pytest.mark.gpu
@@ -599,21 +562,8 @@ def test_gpu_empty():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", OPS)
-@pytest.mark.parametrize("backend", CUDA_BACKENDS)
-def test_gpu_opcheck(op, backend):
-    with kg.use(force={op: backend}):
-        for args in _opcheck_args(op, "cuda"):
-            torch.library.opcheck(getattr(torch.ops.kernelgate, op).default, args)
-
-
-@pytest.mark.gpu
-def test_gpu_torch_compile_fullgraph():
-    _compile_check("cuda", "kernelgate_cuda")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("op", OPS)
-def test_gpu_cuda_graph_capture_and_replay(op):
+def test_gpu_cuda_graph_capture_and_replay_strided(op):
+    # The generic replay (test_contracts) is on contiguous q and k; here transposed projections.
     case = Case(op, "cuda", torch.bfloat16, 2, 8, 2, 64, 128, layout="transposed")
     ql = case.q_leaf.clone().requires_grad_(True)
     kl = case.k_leaf.clone().requires_grad_(True)

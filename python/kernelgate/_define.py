@@ -1,0 +1,175 @@
+"""Backends and ops defined from Python: kg.register_backend and kg.define_op.
+
+Both go through the C++ engine's one mechanism: a Python backend is served through the same
+torch.ops.kernelgate op as the C++ ones (autograd, torch.compile, CUDA graphs keep working) and
+swept by the same harness (in Python worker processes); a Python-defined op gets the same
+contract, harness, store, policy, CLI and explain as a built-in one.
+"""
+
+import hashlib
+import importlib
+import importlib.metadata
+import inspect
+import re
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from . import _C, evidence
+from ._ops import routed
+
+Fn = Union[Callable, str]
+
+_DEFAULT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_defined: Dict[str, tuple] = {}  # op -> what define_op was given, for idempotent re-definition
+_registered: Dict[Tuple[str, str], tuple] = {}
+
+
+def _resolve(fn: Fn, what: str) -> Callable:
+    """A callable, or "module:attr" imported now (ImportError propagates)."""
+    if isinstance(fn, str):
+        module, _, attr = fn.partition(":")
+        if not module or not attr:
+            raise ValueError(f"{what} must be a callable or 'module:attr', got {fn!r}")
+        obj = importlib.import_module(module)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+        fn = obj
+    if not callable(fn):
+        raise TypeError(f"{what} must be callable, got {type(fn).__name__}")
+    return fn
+
+
+def _code_hash(*fns: Optional[Callable]) -> str:
+    """A hash of the functions' source, comments and blank lines left out: a backend's evidence
+    goes stale when its code changes, not its comments."""
+    h = hashlib.sha256()
+    for fn in fns:
+        if fn is None:
+            continue
+        try:
+            src = inspect.getsource(fn)
+        except (OSError, TypeError):
+            code = getattr(fn, "__code__", None)
+            src = repr(code.co_code) + repr(code.co_consts) if code is not None else repr(fn)
+        lines = [re.sub(r"\s+#.*$", "", l).rstrip() for l in src.splitlines()]
+        h.update("\n".join(l for l in lines if l.strip() and not l.strip().startswith("#")).encode())
+    return h.hexdigest()[:16]
+
+
+def register_backend(op: str, name: str, forward: Fn, backward: Optional[Fn] = None, *,
+                     can_implement: Optional[Callable] = None, package: Optional[str] = None) -> None:
+    """Adds a backend of `op` written in Python.
+
+    forward(*args) takes the op's arguments in schema order and returns its outputs (a tensor or
+    a tuple), followed by the op's extras when it has any and gradients are needed.
+    backward(*args) takes the arguments of the op's backward: the output gradients, the saved
+    tensors, then the op's other arguments (``kg.ops()`` lists each op's ``outputs``, ``extras``,
+    ``forward_schema`` and ``backward_schema``; the trailing ``needs`` is not passed); it returns
+    one gradient per entry of the op's ``gradients`` (None where not needed).
+
+    A backend without a backward serves only calls that need no gradient; a call that needs one
+    goes to the next backend the policy ranks (or the reference), and ``explain`` says why.
+
+    can_implement(*tensors) gets the op's tensor arguments (None for an absent optional) and
+    answers True or None (it can), False or a reason string (it cannot). It is called on the hot
+    path when the backend is ranked: keep it exact and cheap.
+
+    package names the distribution (its pip name) the backend comes from: its version joins the
+    fingerprint of the backend's evidence, and while it is not installed the backend is listed
+    as unavailable with that reason. forward / backward may be "module:attr" strings, imported
+    now: an ImportError also makes the backend unavailable with the reason.
+
+    Like every backend, it serves a call only where evidence shows it correct (``kernelgate
+    bench run OP --load your_module.py``) or where it is forced (``kg.use(force=...)``).
+    """
+    ops = {o["name"]: o for o in _C.ops()}
+    if op not in ops:
+        raise ValueError(f"unknown op '{op}'; kernelgate has: {', '.join(sorted(ops))}")
+    key = (op, name)
+    given = tuple(f if isinstance(f, (str, type(None))) else _code_hash(f)
+                  for f in (forward, backward, can_implement)) + (package,)
+    if key in _registered:
+        if _registered[key] == given:
+            return  # the same registration again (a module imported twice)
+        raise ValueError(f"{op} already has a backend '{name}'")
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.-]*", name):
+        raise ValueError(f"backend name must be an identifier-like string, got {name!r}")
+    if can_implement is not None and not callable(can_implement):
+        raise TypeError(f"can_implement must be callable, got {type(can_implement).__name__}")
+    available, reason, version = True, "", ""
+    fwd = bwd = None
+    if package is not None:
+        try:
+            version = f"{package}=={importlib.metadata.version(package)}"
+        except importlib.metadata.PackageNotFoundError:
+            available, reason = False, f"package '{package}' is not installed"
+    if available:
+        try:
+            fwd = _resolve(forward, "forward")
+            bwd = None if backward is None else _resolve(backward, "backward")
+        except ImportError as exc:
+            available, reason = False, f"cannot import it: {exc}"
+    if available:
+        version = ";".join(v for v in (version, f"code={_code_hash(fwd, bwd, can_implement)}") if v)
+    _C.register_backend(op, name, fwd, bwd, can_implement, available, reason, version)
+    _registered[key] = given
+    evidence.install()  # the evidence source learns the new backend's fingerprint
+
+
+def define_op(schema: str, *, dims: str, reference: Callable,
+              dtypes: Sequence[torch.dtype] = _DEFAULT_DTYPES,
+              test_values: Optional[Dict[str, Sequence[float]]] = None,
+              dim_ranges: Optional[Dict[str, Tuple[int, int]]] = None,
+              production_shapes: Optional[List[Dict[str, int]]] = None,
+              variants: Optional[Dict[str, Sequence[str]]] = None,
+              index_ranges: Optional[Dict[str, str]] = None,
+              dim_multiples: Optional[Dict[str, int]] = None,
+              no_grad: Sequence[str] = (), outputs: Sequence[str] = ()) -> Callable:
+    """Defines a routed op from Python and returns it (also reachable as ``kg.<name>`` and
+    ``torch.ops.kernelgate.<name>``).
+
+    schema: PyTorch's schema syntax, e.g. ``"scaled_tanh(Tensor x, float alpha=1.0) -> Tensor"``
+    (arguments Tensor, Tensor?, float, int, bool, str). dims: the named dims of every tensor
+    argument, in schema order, e.g. ``"x: [*rows, hidden]"`` (``?`` marks an optional tensor,
+    ``index`` an integer one). reference: a function of ATen ops taking the op's arguments; it
+    defines the op's semantics and, through its autograd, its gradients; evaluated in float64 it
+    is the oracle every backend is checked against, and it serves calls nothing else may.
+    The rest guide the harness's cases: values of scalar arguments to try, each named dim's
+    [lo, hi] range and production shapes; variants: str arguments that select different code,
+    with their allowed values (default first); index_ranges: for each index tensor, the named dim
+    that bounds its values; dim_multiples: named dims whose sizes must be a multiple; no_grad:
+    float tensors that get no gradient.
+    """
+    if not callable(reference):
+        raise TypeError(f"reference must be callable, got {type(reference).__name__}")
+    name = schema.split("(", 1)[0].strip()
+    given = (schema, dims, _code_hash(reference))
+    if name in _defined:
+        if _defined[name] == given:
+            return routed(name)
+        raise ValueError(f"op '{name}' is already defined with another schema, dims or reference")
+    if name in {o["name"] for o in _C.ops()}:
+        raise ValueError(f"op '{name}' is already defined by kernelgate")
+    spec = {
+        "schema": schema,
+        "dims": dims,
+        "reference": reference,
+        "dtypes": list(dtypes),
+        "test_values": {k: [float(v) for v in vs] for k, vs in (test_values or {}).items()},
+        "dim_ranges": {k: (int(lo), int(hi)) for k, (lo, hi) in (dim_ranges or {}).items()},
+        "production_shapes": [dict(p) for p in (production_shapes or [])],
+        "variants": {k: list(vs) for k, vs in (variants or {}).items()},
+        "index_ranges": dict(index_ranges or {}),
+        "dim_multiples": dict(dim_multiples or {}),
+        "no_grad": list(no_grad),
+        "outputs": list(outputs),
+    }
+    # Evidence of the op goes stale when its reference or its declaration (what its cases are
+    # made from) changes.
+    declared = repr({k: v for k, v in spec.items() if k != "reference"}).encode()
+    spec["source_hash"] = hashlib.sha256(_code_hash(reference).encode() + declared).hexdigest()[:16]
+    _C.define_op(spec)
+    _defined[name] = given
+    evidence.install()  # the evidence source learns the new op's fingerprint
+    return routed(name)

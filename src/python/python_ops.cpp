@@ -1,0 +1,351 @@
+// Backends and ops defined from Python (kg.register_backend, kg.define_op): Python callables
+// behind the same BackendImpl and op mechanism as the C++ ones, so they are served through the
+// same torch.ops.kernelgate ops (autograd, torch.compile, CUDA graphs) and swept by the same
+// harness.
+//
+// Note on the GIL: routers run with the GIL released (torch.ops releases it before dispatching),
+// so every call into Python takes it, and no Python error escapes into the dispatcher: it becomes
+// a c10::Error naming the op and the backend. The callables are never freed: backends live as
+// long as the process, past the interpreter.
+#include "python/python_ops.h"
+
+#include <ATen/PythonTorchFunctionTLS.h>
+#include <torch/csrc/Dtype.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/jit/frontend/function_schema_parser.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include "kernelgate/op.h"
+
+namespace kernelgate {
+namespace {
+
+namespace py = pybind11;
+
+py::object to_py(const c10::IValue& v) {
+  if (v.isTensor()) return py::reinterpret_steal<py::object>(THPVariable_Wrap(v.toTensor()));
+  if (v.isNone()) return py::none();
+  if (v.isDouble()) return py::float_(v.toDouble());
+  if (v.isInt()) return py::int_(v.toInt());
+  if (v.isBool()) return py::bool_(v.toBool());
+  if (v.isString()) return py::str(v.toStringRef());
+  return torch::jit::toPyObject(v);
+}
+
+// The last n values of the stack as call arguments; they are popped.
+py::tuple pop_args(torch::jit::Stack& s, size_t n) {
+  py::tuple args(n);
+  const size_t base = s.size() - n;
+  for (size_t i = 0; i < n; ++i)
+    PyTuple_SET_ITEM(args.ptr(), i, to_py(s[base + i]).release().ptr());
+  torch::jit::drop(s, n);
+  return args;
+}
+
+// A callable's result as tensors: one tensor, or a tuple / list of tensors and Nones.
+std::vector<at::Tensor> tensors_of(const py::handle& r, const std::string& what) {
+  std::vector<at::Tensor> out;
+  auto one = [&](const py::handle& h) {
+    if (h.is_none()) {
+      out.emplace_back();
+    } else if (THPVariable_Check(h.ptr())) {
+      out.push_back(THPVariable_Unpack(h.ptr()));
+    } else {
+      TORCH_CHECK(false, what, " returned a ",
+                  std::string(py::str(py::type::of(h).attr("__name__"))),
+                  " where a tensor was expected");
+    }
+  };
+  if (py::isinstance<py::tuple>(r) || py::isinstance<py::list>(r)) {
+    for (const auto& h : r) one(h);
+  } else {
+    one(r);
+  }
+  return out;
+}
+
+// Calls `fn`; a Python exception becomes a c10::Error naming `what`.
+py::object call(const py::object& fn, const py::tuple& args, const std::string& what) {
+  PyObject* r = PyObject_Call(fn.ptr(), args.ptr(), nullptr);
+  if (r == nullptr) {
+    py::error_already_set e;
+    TORCH_CHECK(false, what, " raised: ", e.what());
+  }
+  return py::reinterpret_steal<py::object>(r);
+}
+
+struct Protocol {
+  size_t nargs = 0, n_out = 0, n_extra = 0, n_bwd_args = 0, n_grads = 0;
+  std::vector<std::string> outputs, extras;
+};
+
+Protocol protocol_of(const OpContract& c) {
+  const auto fwd = torch::jit::parseSchema(c.forward_schema);
+  const auto bwd = torch::jit::parseSchema(c.backward_schema);
+  Protocol p;
+  p.nargs = fwd.arguments().size() - 1;  // the trailing mask is not the callables'
+  p.n_out = c.outputs.size();
+  p.n_extra = c.extras.size();
+  p.n_bwd_args = bwd.arguments().size() - 1;
+  p.n_grads = bwd.returns().size();
+  p.outputs = c.outputs;
+  p.extras = c.extras;
+  return p;
+}
+
+std::string names(const std::vector<std::string>& v) {
+  std::string s;
+  for (const auto& n : v) s += (s.empty() ? "" : ", ") + n;
+  return s;
+}
+
+class PythonBackend final : public BackendImpl {
+ public:
+  PythonBackend(std::string what, Protocol p, py::object fwd, py::object bwd)
+      : what_(std::move(what)),
+        fwd_what_(what_ + " forward"),
+        bwd_what_(what_ + " backward"),
+        p_(std::move(p)),
+        fwd_(new py::object(std::move(fwd))),
+        bwd_(bwd.is_none() ? nullptr : new py::object(std::move(bwd))) {}
+
+  // Returns the outputs, or the outputs and the extras (required when gradients are needed).
+  void forward(torch::jit::Stack& s, GradRequest need) const override {
+    py::gil_scoped_acquire gil;
+    py::tuple args = pop_args(s, p_.nargs);
+    auto got = tensors_of(call(*fwd_, args, fwd_what_), fwd_what_);
+    const bool extras_needed = need.any() && p_.n_extra > 0;
+    TORCH_CHECK(got.size() == p_.n_out + p_.n_extra || (!extras_needed && got.size() == p_.n_out),
+                what_, " forward returned ", got.size(), " tensors, expected ", p_.n_out, " (",
+                names(p_.outputs), ")",
+                p_.n_extra ? " followed by " + std::to_string(p_.n_extra) + " (" +
+                                 names(p_.extras) + ") when gradients are needed"
+                           : std::string());
+    got.resize(p_.n_out + p_.n_extra);
+    for (auto& t : got) s.emplace_back(std::move(t));
+  }
+
+  void backward(torch::jit::Stack& s, GradRequest) const override {
+    py::gil_scoped_acquire gil;
+    TORCH_INTERNAL_ASSERT(bwd_ != nullptr);
+    py::tuple args = pop_args(s, p_.n_bwd_args);
+    auto got = tensors_of(call(*bwd_, args, bwd_what_), bwd_what_);
+    TORCH_CHECK(got.size() == p_.n_grads, what_, " backward returned ", got.size(),
+                " gradients, expected ", p_.n_grads, " (one per differentiable tensor argument)");
+    for (auto& t : got) s.emplace_back(std::move(t));
+  }
+
+  bool has_backward() const override { return bwd_ != nullptr; }
+
+ private:
+  std::string what_, fwd_what_, bwd_what_;
+  Protocol p_;
+  // Leaked on purpose (see the note at the top).
+  py::object* fwd_;
+  py::object* bwd_;
+};
+
+CanImplement python_can_implement(py::object fn, std::string what) {
+  auto* held = new py::object(std::move(fn));  // leaked: see the note at the top
+  return [held, what](const CallView& call) -> Support {
+    py::gil_scoped_acquire gil;
+    try {
+      py::tuple tensors(call.num_tensors);
+      for (int i = 0; i < call.num_tensors; ++i) {
+        const at::Tensor* t = call.tensors[i];
+        tensors[i] = t ? py::reinterpret_steal<py::object>(THPVariable_Wrap(*t)) : py::none();
+      }
+      py::object r = (*held)(*tensors);
+      if (r.is_none() || (py::isinstance<py::bool_>(r) && r.cast<bool>())) return Support::yes();
+      if (py::isinstance<py::str>(r)) return Support::no(intern(r.cast<std::string>()));
+      return Support::no("can_implement said no");
+    } catch (py::error_already_set& e) {
+      return Support::no(intern("can_implement raised: " + std::string(e.what())));
+    }
+  };
+}
+
+}  // namespace
+
+FastOp::FastOp(const std::string& name)
+    : handle_(c10::Dispatcher::singleton().findSchemaOrThrow(("kernelgate::" + name).c_str(), "")),
+      entry_(Dispatcher::get().find_op(name)) {
+  TORCH_CHECK(entry_ != nullptr, "no kernelgate op '", name, "'");
+  for (const auto& a : handle_.schema().arguments()) {
+    const auto& t = a.type();
+    char k = '?';
+    if (t->kind() == c10::TypeKind::TensorType) {
+      k = 'T';
+    } else if (auto o = t->cast<c10::OptionalType>()) {
+      if (o->getElementType()->kind() == c10::TypeKind::TensorType) k = 'O';
+    } else if (t->kind() == c10::TypeKind::FloatType) {
+      k = 'f';
+    } else if (t->kind() == c10::TypeKind::IntType) {
+      k = 'i';
+    } else if (t->kind() == c10::TypeKind::BoolType) {
+      k = 'b';
+    } else if (t->kind() == c10::TypeKind::StringType) {
+      k = 's';
+    }
+    kinds_ += k;
+    defaults_.push_back(a.default_value() ? *a.default_value() : c10::IValue());
+    has_default_.push_back(a.default_value().has_value());
+  }
+  returns_ = handle_.schema().returns().size();
+}
+
+bool FastOp::has_python_backend() const {
+  const auto& backends = entry_->backends;
+  for (size_t i = 0; i < backends.size(); ++i) {
+    if (backends[i].kind == BackendKind::kPython && entry_->availability[i].ok) return true;
+  }
+  return false;
+}
+
+py::object FastOp::call(const py::args& args) const {
+  HANDLE_TH_ERRORS
+  const size_t n = args.size();
+  // What only torch's own path handles: a __torch_function__ mode, too many arguments.
+  if (n > kinds_.size() || at::impl::torch_function_mode_enabled())
+    return py::reinterpret_borrow<py::object>(Py_NotImplemented);
+  torch::jit::Stack stack;
+  stack.reserve(kinds_.size());
+  for (size_t i = 0; i < kinds_.size(); ++i) {
+    if (i >= n) {
+      if (!has_default_[i]) return py::reinterpret_borrow<py::object>(Py_NotImplemented);
+      stack.push_back(defaults_[i]);
+      continue;
+    }
+    PyObject* o = PyTuple_GET_ITEM(args.ptr(), i);
+    switch (kinds_[i]) {
+      case 'O':
+        if (o == Py_None) {
+          stack.emplace_back();
+          break;
+        }
+        [[fallthrough]];
+      case 'T':
+        // Exact tensors only: subclasses and proxies take torch's path (__torch_function__).
+        if (!THPVariable_CheckExact(o))
+          return py::reinterpret_borrow<py::object>(Py_NotImplemented);
+        stack.emplace_back(THPVariable_Unpack(o));
+        break;
+      case 'f':
+        if (!PyFloat_Check(o) && !(PyLong_Check(o) && !PyBool_Check(o))) {
+          return py::reinterpret_borrow<py::object>(Py_NotImplemented);
+        }
+        stack.emplace_back(PyFloat_AsDouble(o));
+        break;
+      case 'i':
+        if (!PyLong_Check(o) || PyBool_Check(o))
+          return py::reinterpret_borrow<py::object>(Py_NotImplemented);
+        stack.emplace_back(static_cast<int64_t>(PyLong_AsLongLong(o)));
+        break;
+      case 'b':
+        if (!PyBool_Check(o)) return py::reinterpret_borrow<py::object>(Py_NotImplemented);
+        stack.emplace_back(o == Py_True);
+        break;
+      case 's':
+        if (!PyUnicode_Check(o)) return py::reinterpret_borrow<py::object>(Py_NotImplemented);
+        stack.emplace_back(std::string(PyUnicode_AsUTF8(o)));
+        break;
+      default: return py::reinterpret_borrow<py::object>(Py_NotImplemented);
+    }
+    if (PyErr_Occurred()) return py::reinterpret_borrow<py::object>(Py_NotImplemented);  // overflow
+  }
+  // As torch's own path, other Python threads run while the op does; except where the op has a
+  // Python backend, which would take the GIL straight back.
+  if (has_python_backend()) {
+    handle_.callBoxed(stack);
+  } else {
+    py::gil_scoped_release release;
+    handle_.callBoxed(stack);
+  }
+  if (returns_ == 1)
+    return py::reinterpret_steal<py::object>(THPVariable_Wrap(stack[0].toTensor()));
+  py::tuple out(stack.size());
+  for (size_t i = 0; i < stack.size(); ++i) {
+    PyTuple_SET_ITEM(out.ptr(), i, THPVariable_Wrap(stack[i].toTensor()));
+  }
+  return out;
+  END_HANDLE_TH_ERRORS_PYBIND
+}
+
+int register_python_backend(const std::string& op, const std::string& name, py::object forward,
+                            py::object backward, py::object can_implement, bool available,
+                            const std::string& reason, const std::string& version) {
+  const OpEntry* e = Dispatcher::get().find_op(op);
+  if (e == nullptr) throw py::value_error("unknown op '" + op + "'");
+  BackendDesc d;
+  d.name = name;
+  d.kind = BackendKind::kPython;
+  d.version = version;
+  if (!available) {
+    const char* why = intern(reason);
+    d.available = [why] { return Support::no(why); };
+  } else {
+    d.impl =
+        std::make_shared<PythonBackend>(op + " backend '" + name + "'", protocol_of(e->contract),
+                                        std::move(forward), std::move(backward));
+    if (!can_implement.is_none()) {
+      d.can_implement =
+          python_can_implement(std::move(can_implement), op + " backend '" + name + "'");
+    }
+  }
+  py::gil_scoped_release
+      release;  // the dispatcher takes its lock; a router may hold it waiting for us
+  return Dispatcher::get().add_backend(e->id, std::move(d));
+}
+
+OpId define_python_op(const py::dict& spec) {
+  OpContract c;
+  c.schema = spec["schema"].cast<std::string>();
+  c.name = torch::jit::parseSchema(c.schema).name();
+  c.dims = spec["dims"].cast<std::string>();
+  for (const auto& t : spec["dtypes"]) {
+    TORCH_CHECK(THPDtype_Check(t.ptr()), c.name, ": dtypes must be torch dtypes");
+    c.dtypes.push_back(reinterpret_cast<THPDtype*>(t.ptr())->scalar_type);
+  }
+  for (const auto& [k, v] : spec["test_values"].cast<py::dict>()) {
+    c.scalar_test_values.emplace_back(k.cast<std::string>(), v.cast<std::vector<double>>());
+  }
+  for (const auto& [k, v] : spec["dim_ranges"].cast<py::dict>()) {
+    c.dim_ranges[k.cast<std::string>()] = v.cast<std::pair<int64_t, int64_t>>();
+  }
+  c.production_shapes =
+      spec["production_shapes"].cast<std::vector<std::map<std::string, int64_t>>>();
+  for (const auto& [k, v] : spec["variants"].cast<py::dict>()) {
+    c.variant_args.emplace_back(k.cast<std::string>(), v.cast<std::vector<std::string>>());
+  }
+  c.index_ranges = spec["index_ranges"].cast<std::map<std::string, std::string>>();
+  c.dim_multiples = spec["dim_multiples"].cast<std::map<std::string, int64_t>>();
+  c.no_grad = spec["no_grad"].cast<std::vector<std::string>>();
+  c.outputs = spec["outputs"].cast<std::vector<std::string>>();
+  c.source_hash = spec["source_hash"].cast<std::string>();
+  const size_t nargs = torch::jit::parseSchema(c.schema).arguments().size();
+  const size_t n_out = torch::jit::parseSchema(c.schema).returns().size();
+  const std::string what = c.name + " reference";
+  auto* reference = new py::object(spec["reference"]);  // leaked: see the note at the top
+  auto run_reference = [reference, nargs, n_out, what](torch::jit::Stack& s, bool dense) {
+    py::gil_scoped_acquire gil;
+    py::tuple args = pop_args(s, nargs);
+    auto got = tensors_of(call(*reference, args, what), what);
+    TORCH_CHECK(got.size() == n_out, what, " returned ", got.size(), " tensors, the schema says ",
+                n_out);
+    for (auto& t : got) {
+      TORCH_CHECK(t.defined(), what, " returned None where a tensor was expected");
+      s.emplace_back(dense ? t.contiguous() : t);
+    }
+  };
+  OpDeclaration d(std::move(c));
+  // Meta: the reference on meta tensors (ATen ops have meta kernels), dense like every backend.
+  d.reference_boxed([run_reference](torch::jit::Stack& s) { run_reference(s, false); })
+      .meta_boxed([run_reference](torch::jit::Stack& s, GradRequest) { run_reference(s, true); })
+      .reference_backend();
+  py::gil_scoped_release release;
+  return d.install();
+}
+
+}  // namespace kernelgate

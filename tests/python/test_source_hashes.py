@@ -1,0 +1,69 @@
+"""When evidence goes stale (docs/evidence.md): an op's source hash covers the tokens of its
+computing files, not comments, formatting or registration glue."""
+
+import importlib.util
+import os
+
+import pytest
+
+import kernelgate as kg
+from kernelgate import _C
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+
+
+def _hashes():
+    spec = importlib.util.spec_from_file_location("source_hashes", os.path.join(REPO, "cmake", "source_hashes.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_comments_and_formatting_do_not_count_tokens_do():
+    n = _hashes().normalized
+    base = 'int f(int x) {\n  return x + 1;  // one\n}\nconst char* s = "a // b";\n'
+    assert n(base) == n('/* doc */ int f(int x)\n{\n    return x+1;\n}\n// note\nconst char* s = "a // b";')
+    assert n(base) != n(base.replace("x + 1", "x + 2"))
+    # A comment marker inside a string literal is code.
+    assert n('const char* s = "a // b";') != n('const char* s = "a ";')
+
+
+def test_a_real_kernel_reformatted_keeps_its_hash(tmp_path):
+    m = _hashes()
+    src = open(os.path.join(REPO, "src", "kernels", "rms_norm_cuda.cu")).read()
+    reformatted = "// a new comment\n" + src.replace("\n", "\n\n").replace("  ", "    ")
+    a, b, c = tmp_path / "a.cu", tmp_path / "b.cu", tmp_path / "c.cu"
+    a.write_text(src)
+    b.write_text(reformatted)
+    c.write_text(src.replace("return", "return  /*x*/ ", 1) + "\nint kg_extra_token;\n")
+    assert m.file_hash(str(a)) == m.file_hash(str(b))
+    assert m.file_hash(str(a)) != m.file_hash(str(c))
+
+
+SHARED = {"src/kernels/dtype.h", "src/kernels/vec16.cuh", "src/ops/op_util.h",
+          "src/harness/cases.cpp", "src/harness/validate.cpp"}
+
+
+@pytest.mark.parametrize("op,own", [
+    ("rms_norm", {"src/ops/rms_norm.cpp", "src/kernels/rms_norm.h", "src/kernels/rms_norm_cuda.cu",
+                  "src/kernels/rms_norm_cpu.cpp"}),
+    ("swiglu", {"src/ops/gated.cpp", "src/kernels/gated.h", "src/kernels/gated_cuda.cu"}),
+    ("linear_cross_entropy", {"src/ops/linear_cross_entropy.cpp", "src/ops/cross_entropy.cpp",
+                              "src/ops/cross_entropy_common.h", "src/kernels/cross_entropy.h",
+                              "src/kernels/cross_entropy_cuda.cu"}),
+])
+def test_each_op_hash_covers_its_stems_and_the_shared_computing_files(op, own):
+    files = set(_C.op_source_files(op))
+    assert SHARED <= files
+    assert files - SHARED == own
+    # Registration glue is not part of any op's evidence.
+    assert not any(f.startswith(("src/core/", "include/", "src/store/", "src/python/")) for f in files)
+
+
+def test_every_op_has_a_hash_of_its_own_files():
+    for info in kg.ops():
+        if info["defined_in_python"]:
+            continue
+        files = set(_C.op_source_files(info["name"]))
+        assert files - SHARED, f"{info['name']}: no file of its own in its source hash"
+        assert len(_C.fingerprint(info["name"])["source_hash"]) == 16
