@@ -37,6 +37,15 @@ std::string random_uuid() {
   return buf;
 }
 
+// Binds ?1..?4 to the key of a run of an op's case: (fingerprint, op, backend, case_id).
+void bind_key(Stmt& s, const std::string& fingerprint_id, const std::string& op,
+              const std::string& backend, const std::string& case_id) {
+  s.bind(1, fingerprint_id);
+  s.bind(2, op);
+  s.bind(3, backend);
+  s.bind(4, case_id);
+}
+
 }  // namespace
 
 Store::Store(sqlite3* db, std::string path, Mode mode, int schema_version)
@@ -99,10 +108,7 @@ void Store::add_result(int64_t run_id, const Result& result) {
       Stmt drop(db_, path_,
                 "DELETE FROM claims WHERE fingerprint_id = ?1 AND op = ?2 AND backend = ?3 "
                 "AND case_id = ?4");
-      drop.bind(1, fingerprint_id);
-      drop.bind(2, row.op);
-      drop.bind(3, row.backend);
-      drop.bind(4, row.case_id);
+      bind_key(drop, fingerprint_id, row.op, row.backend, row.case_id);
       drop.step();
     }
   });
@@ -120,10 +126,7 @@ Store::Claim Store::claim(const std::string& fingerprint_id, const std::string& 
     Stmt held(db_, path_,
               "SELECT owner, host, pid, claimed_at FROM claims WHERE fingerprint_id = ?1 AND "
               "op = ?2 AND backend = ?3 AND case_id = ?4");
-    held.bind(1, fingerprint_id);
-    held.bind(2, op);
-    held.bind(3, backend);
-    held.bind(4, case_id);
+    bind_key(held, fingerprint_id, op, backend, case_id);
     if (held.step() && held.get<std::string>(0) != owner_) {
       const bool here = held.get<std::string>(1) == host;
       const auto other = static_cast<pid_t>(held.get<int64_t>(2));
@@ -135,10 +138,7 @@ Store::Claim Store::claim(const std::string& fingerprint_id, const std::string& 
               "claimed_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8) ON CONFLICT DO UPDATE SET "
               "owner = excluded.owner, host = excluded.host, pid = excluded.pid, "
               "claimed_at = excluded.claimed_at");
-    take.bind(1, fingerprint_id);
-    take.bind(2, op);
-    take.bind(3, backend);
-    take.bind(4, case_id);
+    bind_key(take, fingerprint_id, op, backend, case_id);
     take.bind(5, owner_);
     take.bind(6, std::string(host));
     take.bind(7, pid);
@@ -153,10 +153,7 @@ bool Store::has_result(const std::string& fingerprint_id, const std::string& op,
   Stmt s(db_, path_,
          "SELECT 1 FROM results WHERE fingerprint_id = ?1 AND op = ?2 AND backend = ?3 "
          "AND case_id = ?4 LIMIT 1");
-  s.bind(1, fingerprint_id);
-  s.bind(2, op);
-  s.bind(3, backend);
-  s.bind(4, case_id);
+  bind_key(s, fingerprint_id, op, backend, case_id);
   return s.step();
 }
 
