@@ -41,7 +41,9 @@ const char* intern(const std::string& text);
 // quote environment values or file names on their way to Python.
 std::string valid_utf8(const std::string& text);
 
-enum class BackendKind : uint8_t { kReference, kKernelgate, kVendor, kPython };
+// kEager: the op as plain PyTorch code (OpDeclaration::eager), the fallback where no evidence
+// ranks a backend.
+enum class BackendKind : uint8_t { kReference, kKernelgate, kVendor, kPython, kEager };
 const char* backend_kind_name(BackendKind kind);
 
 // What the router sees of one call: the tensor arguments in schema order (nullptr for an absent
@@ -314,6 +316,10 @@ struct OpEntry {
   std::vector<BackendDesc> backends;  // never reallocates (reserved): read without a lock
   std::vector<Support> availability;
 };
+
+// The op's fallback where no evidence ranks a backend: its kEager backend, else its ATen kernel
+// as a backend (kVendor, named "aten": rms_norm, layer_norm), else -1 (the reference serves).
+int fallback_index(const OpEntry& e);
 
 class Dispatcher {
  public:

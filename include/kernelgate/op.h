@@ -260,6 +260,16 @@ class OpDeclaration {
                   ""};
     return backend_desc(std::move(d));
   }
+  // The op as plain PyTorch code would compute it (what a user writes without kernelgate, at the
+  // input dtype): the "eager" backend. Where no evidence ranks a backend it serves the call, and
+  // PyTorch's own autograd differentiates it (no kernelgate node, nothing saved beyond what
+  // PyTorch saves), so a call without evidence costs what it costs without kernelgate. Like every
+  // backend it is validated against the float64 oracle; evidence ranks it like any other.
+  template <class F>
+  OpDeclaration& eager(F f) {
+    shapes_.push_back(op_detail::shape_of<F>("eager", 'R'));
+    return eager_boxed([f](torch::jit::Stack& s) { op_detail::Fn<F>::run(f, s, {}); });
+  }
   // The reference backend made from the reference op itself: its forward runs the reference
   // without autograd, its backward differentiates the reference again. For ops without extras
   // that save every tensor argument (ops defined from Python).
@@ -270,6 +280,7 @@ class OpDeclaration {
 
   // Boxed forms (Python-defined ops; tools).
   OpDeclaration& reference_boxed(std::function<void(torch::jit::Stack&)> fn);
+  OpDeclaration& eager_boxed(std::function<void(torch::jit::Stack&)> fn);
   OpDeclaration& meta_boxed(BoxedArgsFn fn);
   OpDeclaration& check_boxed(BoxedArgsFn fn);
   // An op whose backward is not one routed call gives its own Autograd kernel, and any helper

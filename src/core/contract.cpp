@@ -235,6 +235,7 @@ const char* backend_kind_name(BackendKind kind) {
     case BackendKind::kKernelgate: return "kernelgate";
     case BackendKind::kVendor: return "vendor";
     case BackendKind::kPython: return "python";
+    case BackendKind::kEager: return "eager";
   }
   return "?";
 }

@@ -284,6 +284,16 @@ int local_index(const OpEntry& e, const std::string& name) {
 
 }  // namespace
 
+int fallback_index(const OpEntry& e) {
+  int aten = -1;
+  for (size_t i = 1; i < e.backends.size(); ++i) {
+    if (e.backends[i].kind == BackendKind::kEager) return static_cast<int>(i);
+    if (aten < 0 && e.backends[i].kind == BackendKind::kVendor && e.backends[i].name == "aten")
+      aten = static_cast<int>(i);
+  }
+  return aten;
+}
+
 // Builds the ranked candidate list for a key. Called with mu held.
 Decision* Dispatcher::Impl::decide(const OpEntry& e, const DispatchKey& key,
                                    std::vector<std::pair<LogLevel, std::string>>* logs) {
@@ -321,12 +331,20 @@ Decision* Dispatcher::Impl::decide(const OpEntry& e, const DispatchKey& key,
     if (d->n == 0) d->reason = "ranked first by policy (" + evidence + ")";
     push(i);
   }
+  // Then the fallback: the op as plain PyTorch code, so that a call without evidence costs what
+  // it costs without kernelgate; the reference last.
+  const int fb = fallback_index(e);
+  const bool fallback_ok = fb > 0 && e.availability[fb].ok &&
+                           !is_excluded(im.overrides.excluded, op, e.backends[fb].name);
   if (d->n == 0) {
-    d->reason = ranked.empty() ? "no evidence for this region: the reference serves it"
-                               : "no backend ranked by policy is available or allowed: the "
-                                 "reference serves it";
+    const std::string who =
+        fallback_ok ? e.backends[fb].name + " (the op as plain PyTorch code) serves it"
+                    : std::string("the reference serves it");
+    d->reason = ranked.empty() ? "no evidence for this region: " + who
+                               : "no backend ranked by policy is available or allowed: " + who;
     logs->push_back({LogLevel::kInfo, d->reason});
   }
+  if (fallback_ok) push(fb);
   push(0);
   Decision* raw = d.get();
   im.all_decisions.push_back(std::move(d));

@@ -33,7 +33,7 @@ namespace kernelgate {
 struct OpDeclaration::State {
   OpContract contract;
   bool reference_backend = false;
-  std::function<void(torch::jit::Stack&)> reference;
+  std::function<void(torch::jit::Stack&)> reference, eager;
   BoxedArgsFn meta, check;
   std::vector<BackendDesc> backends;
   std::function<void(torch::Library&)> custom_autograd;
@@ -90,6 +90,9 @@ struct RoutedOp {
   bool reference_recompute = false;  // every tensor argument is saved
 
   BoxedArgsFn meta, check;
+  // The op as plain PyTorch code (OpDeclaration::eager) and its backend's local index, or -1.
+  std::function<void(Stack&)> eager;
+  int eager_index = -1;
   c10::OperatorHandle* fwd = nullptr;
   c10::OperatorHandle* bwd = nullptr;
   c10::OperatorHandle* ref = nullptr;
@@ -355,6 +358,16 @@ struct RoutedBackward final : torch::autograd::Node {
   }
 };
 
+// The defined tensor arguments of a call (nullptr for the others).
+std::array<const Tensor*, kMaxTensorArgs> inputs_of(const RoutedOp& op, const IValue* args) {
+  std::array<const Tensor*, kMaxTensorArgs> out{};
+  for (size_t i = 0; i < op.tensor_pos.size(); ++i) {
+    const IValue& v = args[op.tensor_pos[i]];
+    if (v.isTensor() && v.toTensor().defined()) out[i] = &v.toTensor();
+  }
+  return out;
+}
+
 void autograd_forward(const RoutedOp& op, const c10::OperatorHandle& handle, c10::DispatchKeySet ks,
                       Stack& s) {
   const IValue* args = s.data() + (s.size() - op.nargs);
@@ -373,6 +386,24 @@ void autograd_forward(const RoutedOp& op, const c10::OperatorHandle& handle, c10
     at::AutoDispatchBelowADInplaceOrView guard;
     handle.redispatchBoxed(ks & c10::after_ADInplaceOrView_keyset, &s);
     return;
+  }
+  // Only for real tensors: under tracing (torch.compile's fake tensors, symbolic shapes) the op
+  // stays one node, and routes when the graph runs.
+  const auto tensors = inputs_of(op, args);
+  const bool traced = std::any_of(tensors.begin(), tensors.end(), [](const Tensor* t) {
+    return t != nullptr && (t->unsafeGetTensorImpl()->has_symbolic_sizes_strides() ||
+                            t->key_set().has(c10::DispatchKey::Python));
+  });
+  if (op.eager_index >= 0 && !traced) {
+    // Where the eager backend serves, PyTorch's autograd records the plain PyTorch code itself:
+    // the call costs, and saves, what it would without kernelgate.
+    const CallView call = op.view_forward(args, true);
+    const BoundDims dims = check_call(op.contract(), call);
+    if (Dispatcher::get().select(op.id, call, dims) == op.eager_index) {
+      if (op.check) op.check(s, need);
+      op.eager(s);
+      return;
+    }
   }
   std::vector<Tensor> inputs(op.tensor_pos.size());
   for (size_t i = 0; i < op.tensor_pos.size(); ++i) {
@@ -498,6 +529,28 @@ class ReferenceAutograd final : public BackendImpl {
     }
   }
 
+  bool has_backward() const override { return true; }
+
+ private:
+  const RoutedOp* op_;
+};
+
+// ---- the eager backend (eager()) -----------------------------------------------------------
+// Served with autograd by autograd_forward itself. Through the routers it serves calls that need
+// no gradient; a training forward or a backward routed to it (only a direct call of _<op>_fwd /
+// _<op>_bwd can do that) is the reference's, whose extras and backward agree.
+class EagerBackend final : public BackendImpl {
+ public:
+  explicit EagerBackend(const RoutedOp* op) : op_(op) {}
+
+  void forward(Stack& s, GradRequest need) const override {
+    if (need.any()) return op_->entry->backends[0].impl->forward(s, need);
+    op_->eager(s);
+    for (int j = 0; j < op_->n_extra; ++j) s.emplace_back(Tensor());
+  }
+  void backward(Stack& s, GradRequest need) const override {
+    op_->entry->backends[0].impl->backward(s, need);
+  }
   bool has_backward() const override { return true; }
 
  private:
@@ -648,6 +701,11 @@ OpDeclaration& OpDeclaration::backend_desc(BackendDesc desc) {
 
 OpDeclaration& OpDeclaration::reference_boxed(std::function<void(Stack&)> fn) {
   state_->reference = std::move(fn);
+  return *this;
+}
+
+OpDeclaration& OpDeclaration::eager_boxed(std::function<void(Stack&)> fn) {
+  state_->eager = std::move(fn);
   return *this;
 }
 
@@ -851,12 +909,26 @@ OpId OpDeclaration::install() {
   TORCH_CHECK(!st.backends.empty() && st.backends[0].kind == BackendKind::kReference, "op ", c.name,
               ": its first backend must be the reference");
 
+  if (st.eager) {
+    TORCH_CHECK(!st.custom_autograd, "op ", c.name, ": eager() needs the generic autograd");
+    // Outputs dense, as the Meta impls promise (most ATen ops keep a strided input's strides).
+    op->eager = [fn = std::move(st.eager), n = static_cast<size_t>(op->n_out)](Stack& s) {
+      fn(s);
+      for (size_t i = s.size() - n; i < s.size(); ++i) {
+        if (s[i].isTensor() && s[i].toTensor().defined()) s[i] = s[i].toTensor().contiguous();
+      }
+    };
+    st.backends.push_back(
+        {"eager", BackendKind::kEager, {}, {}, std::make_shared<EagerBackend>(op), ""});
+  }
+
   op->meta = std::move(st.meta);
   op->check = std::move(st.check);
   Dispatcher& d = Dispatcher::get();
   op->id = d.add_op(c);
   op->entry = &d.op(op->id);
   for (auto& b : st.backends) d.add_backend(op->id, std::move(b));
+  if (op->eager) op->eager_index = static_cast<int>(op->entry->backends.size()) - 1;
 
   // PyTorch: definitions, then impls. The library lives as long as the process.
   auto* lib =

@@ -46,6 +46,13 @@ std::tuple<Tensor, Tensor> add_rms_norm_reference_op(const Tensor& x, const Tens
   return {y, h};
 }
 
+// eager: what a user writes without kernelgate (h = x + residual; y = F.rms_norm(h, ...)).
+std::tuple<Tensor, Tensor> add_rms_norm_eager(const Tensor& x, const Tensor& residual,
+                                              const OptTensor& w, double eps) {
+  Tensor h = x + residual;
+  return {at::rms_norm(h, {h.size(-1)}, w, eps), h};
+}
+
 // Forwards return (y, h, rstd); rstd (float32, x.shape[:-1]) only when gradients are needed.
 Triple reference_fwd(const Tensor& x, const Tensor& residual, const OptTensor& w, double eps,
                      GradRequest) {
@@ -188,6 +195,7 @@ OpContract contract() {
 const OpId kOp =
     OpDeclaration(contract())
         .reference(add_rms_norm_reference_op)
+        .eager(add_rms_norm_eager)
         .meta(meta)
         .check(check_args)
         .backend("reference", BackendKind::kReference, reference_fwd, backward<reference_bwd>)

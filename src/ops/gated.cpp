@@ -63,6 +63,13 @@ std::tuple<Tensor, Tensor> reference_bwd(const Tensor& dy, const Tensor& gate, c
   return {in_dtype(d * u * da, gate.scalar_type()), in_dtype(d * a, up.scalar_type())};
 }
 
+// ---- eager: what a user writes without kernelgate, at the input dtype
+
+Tensor swiglu_eager(const Tensor& gate, const Tensor& up) { return at::silu(gate) * up; }
+Tensor geglu_eager(const Tensor& gate, const Tensor& up, c10::string_view approximate) {
+  return at::gelu(gate, approximate) * up;
+}
+
 // ---- kernelgate_cuda
 
 #ifdef KERNELGATE_WITH_CUDA
@@ -162,6 +169,7 @@ OpContract geglu_contract() {
 const OpId kSwiglu =
     OpDeclaration(gated_contract("swiglu", "swiglu(Tensor gate, Tensor up) -> Tensor"))
         .reference(Reference::swiglu_fwd)
+        .eager(swiglu_eager)
         .meta(swiglu_meta)
         .check(check_swiglu)
         .backend("reference", BackendKind::kReference, Reference::swiglu_fwd, Reference::swiglu_bwd)
@@ -176,6 +184,7 @@ const OpId kSwiglu =
 const OpId kGeglu =
     OpDeclaration(geglu_contract())
         .reference(Reference::geglu_fwd)
+        .eager(geglu_eager)
         .meta(geglu_meta)
         .check(check_geglu)
         .backend("reference", BackendKind::kReference, Reference::geglu_fwd, Reference::geglu_bwd)

@@ -79,6 +79,20 @@ TensorPair rope_reference_bwd(const Tensor& gq, const Tensor& gk, const Tensor& 
           dense(rope_math_bwd(in_dtype(gk, acc), c, s), gk)};
 }
 
+// eager: what a user writes without kernelgate, at the input dtype (the Llama code: q * cos +
+// rotate_half(q) * sin, cos / sin broadcast over heads; for qk_norm_rope F.rms_norm first).
+TensorPair rope_eager(const Tensor& q, const Tensor& k, const Tensor& cos, const Tensor& sin) {
+  // cos and sin get no gradient (the op's contract): detached, as the model code holds them.
+  Tensor c = cos.detach().unsqueeze(1), s = sin.detach().unsqueeze(1);
+  return {q * c + rotate_half(q) * s, k * c + rotate_half(k) * s};
+}
+
+TensorPair qk_norm_rope_eager(const Tensor& q, const Tensor& k, const Tensor& qw, const Tensor& kw,
+                              const Tensor& cos, const Tensor& sin, double eps) {
+  const int64_t d = q.size(-1);
+  return rope_eager(at::rms_norm(q, {d}, qw, eps), at::rms_norm(k, {d}, kw, eps), cos, sin);
+}
+
 // Per-head rms_norm in acc: (x rstd w, rstd [batch, heads, seq]).
 TensorPair head_rms_norm(const Tensor& x, const Tensor& w, double eps, at::ScalarType acc) {
   Tensor xf = in_dtype(x, acc);
@@ -377,6 +391,7 @@ OpContract qk_norm_rope_contract() {
 const OpId kRope =
     OpDeclaration(rope_contract())
         .reference(rope_reference_op)
+        .eager(rope_eager)
         .meta(rope_meta)
         .check(check_rope)
         .backend("reference", BackendKind::kReference, rope_reference_fwd, rope_reference_bwd)
@@ -391,6 +406,7 @@ const OpId kRope =
 const OpId kQkNormRope =
     OpDeclaration(qk_norm_rope_contract())
         .reference(norm_reference_op)
+        .eager(qk_norm_rope_eager)
         .meta(norm_meta)
         .check(check_norm)
         .backend("reference", BackendKind::kReference, norm_forward<norm_reference_fwd>,

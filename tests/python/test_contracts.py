@@ -191,12 +191,23 @@ def grads(outs, leaves, cots, create_graph=False):
 
 # ---- forward and every gradient against the float64 oracle --------------------------------------
 
+def backend_kind(op: str, backend: str) -> str:
+    return next(b["kind"] for b in INFO[op]["backends"] if b["name"] == backend)
+
+
 def check_oracle(op: str, backend: str, sizes: str) -> None:
     grid, max_elements = GRID[sizes]
     made = _C.make_cases(op, grid, max_elements=max_elements)
     assert made, f"{op}: the {grid} grid made no cases"
     passed, unsupported, failures, known, listed_passes = 0, [], [], [], []
     listed, why = KNOWN_INCORRECT.get((op, backend), (lambda f: False, ""))
+    if backend_kind(op, backend) == "eager":
+        # The op as plain PyTorch code is what the user's program computes without kernelgate:
+        # where it is less accurate than the rule, that is recorded (the sweeps rank it out of
+        # those regions), not a defect of ours. It must still compute the op: every float32 case
+        # of ordinary values passes.
+        listed = lambda f: not (f["regime"] == "normal" and f["dtype"] == "float32")  # noqa: E731
+        why = "the plain PyTorch code is less accurate than the oracle rule on these cases"
     for cid, enc in made:
         r = _C.run_case(enc, backend)
         f = fields(enc)
@@ -211,7 +222,8 @@ def check_oracle(op: str, backend: str, sizes: str) -> None:
             (known if listed(f) and r["disposition"] == "incorrect" else failures).append(line)
     assert not failures, f"{backend} on {op}: {len(failures)} of {len(made)} cases failed:\n" + "\n".join(failures)
     assert passed, f"{backend} on {op} passed none of its {len(made)} cases:\n" + "\n".join(unsupported)
-    assert known or not listed_passes, f"{backend} on {op}: the KNOWN_INCORRECT entry is gone: {listed_passes}"
+    assert known or not listed_passes or backend_kind(op, backend) == "eager", (
+        f"{backend} on {op}: the KNOWN_INCORRECT entry is gone: {listed_passes}")
     if known:
         pytest.xfail(f"{why} ({len(known)} cases, e.g. {known[0]})")
 
@@ -407,7 +419,8 @@ def check_double_backward(op, backend, device):
         with kg.use(force={op: backend}):
             outs = as_list(op_fn(op)(*args))
             cots = cotangents(outs)
-            if op in REFUSES_DOUBLE_BACKWARD:
+            # The eager backend is differentiated by PyTorch's autograd: twice too.
+            if op in REFUSES_DOUBLE_BACKWARD and backend_kind(op, backend) != "eager":
                 with pytest.raises(RuntimeError, match=REFUSAL):
                     grads(outs, leaves, cots, create_graph=True)
                 continue
@@ -601,6 +614,10 @@ KNOWN_CAPTURE_FAILURES = {
                                     "PyTorch's AccumulateGrad stream-mismatch warning); fails alone too"),
     ("rms_norm", "aten"): (False, "the same cudaErrorStreamCaptureImplicit in its backward when other GPU "
                            "tests ran before it in the process (pytest -n 8); passes alone"),
+    ("add_rms_norm", "eager"): (False, "the same cudaErrorStreamCaptureImplicit: the plain PyTorch code's "
+                                "autograd during capture (seen once, under pytest -n 8)"),
+    ("cross_entropy", "eager"): (False, "the same cudaErrorStreamCaptureImplicit: the plain PyTorch code's "
+                                 "autograd during capture (seen once, under pytest -n 8)"),
 }
 
 
@@ -654,3 +671,24 @@ def test_python_backend_end_to_end(tmp_path, capsys, monkeypatch):
         monkeypatch.undo()
         kg.evidence.install()
     assert kg.explain("softcap", x, bias).backend == "reference"  # the tests' own (empty) store again
+
+
+# ---- without evidence, the op as plain PyTorch code serves ---------------------------------------
+
+@pytest.mark.parametrize("op", [o for o in OPS if any(b["kind"] == "eager" for b in INFO[o]["backends"])])
+def test_without_evidence_the_eager_backend_serves_through_pytorchs_autograd(op, tmp_path):
+    """With no evidence at all, a call needing gradients is served by the op's eager backend,
+    recorded by PyTorch's own autograd (its grad_fn is an ATen node, not kernelgate's), and
+    explain says so; excluding it gives the reference back."""
+    try:
+        _C.use_evidence(str(tmp_path / "none.sqlite"), [])
+        (cid, enc), *_ = cases(op, grad="1")
+        args, _ = call_args(enc, "cpu")
+        e = kg.explain(op, *args)
+        assert e.backend == "eager" and "plain PyTorch" in e.reason, str(e)
+        outs = as_list(op_fn(op)(*args))
+        assert all(type(o.grad_fn).__name__ != "CppFunction" for o in outs if o.grad_fn is not None), outs
+        with kg.use(exclude={op: "eager"}):
+            assert kg.explain(op, *args).backend != "eager"
+    finally:
+        kg.evidence.install()

@@ -122,10 +122,10 @@ def test_only_some_parameters_require_grad():
     torch.testing.assert_close(gb, eb)
 
 
-def test_default_is_reference_and_explain_lists_backends():
+def test_default_is_the_plain_pytorch_kernel_and_explain_lists_backends():
     x, w = torch.randn(4, 64), torch.randn(64)
-    e = kg.explain("layer_norm", x, w, None)
-    assert e.backend == "reference" and "no evidence" in e.reason
+    e = kg.explain("layer_norm", x, w, None)  # no evidence: ATen's kernel, what F.layer_norm runs
+    assert e.backend == "aten" and "no evidence" in e.reason
     assert {c.backend for c in e.candidates} >= {"reference", "aten", "kernelgate_cuda"}
     assert "layer_norm cpu float32,float32,none rows<=2^2 hidden<=2^6" in e.key
 

@@ -74,10 +74,13 @@ def test_cpu_eps_zero(backend):
     check_backend(backend, "cpu", torch.float32, (4,), 65, with_weight=False, eps=0.0, regime="small")
 
 
-def test_default_is_reference_and_policy_routes():
+def test_default_is_the_plain_pytorch_kernel_and_policy_routes():
     x, w = torch.randn(4, 64), torch.randn(64)
-    e = kg.explain("rms_norm", x, w)
-    assert e.backend == "reference" and "no evidence" in e.reason
+    e = kg.explain("rms_norm", x, w)  # no evidence: ATen's kernel, what F.rms_norm runs, serves
+    assert e.backend == "aten" and "no evidence" in e.reason and "plain PyTorch" in e.reason
+    # ATen has no CPU backward for it: with gradients on the CPU the reference serves.
+    assert kg.explain("rms_norm", x.requires_grad_(), w).backend == "reference"
+    x = x.detach()
     kg.policy.add_rule("rms_norm", ["kernelgate_cpu"], arch=-1, evidence="test rule")
     e = kg.explain("rms_norm", x, w)
     assert e.backend == "kernelgate_cpu" and "test rule" in e.reason
@@ -101,7 +104,9 @@ def test_use_restores_and_validates():
         with kg.use(force={"rms_norm": "aten"}):
             assert kg.explain("rms_norm", x).backend == "aten"
         assert kg.explain("rms_norm", x).backend == "kernelgate_cpu"
-    assert kg.explain("rms_norm", x).backend == "reference"
+    assert kg.explain("rms_norm", x).backend == "aten"  # the fallback again
+    with kg.use(exclude=["aten"]):
+        assert kg.explain("rms_norm", x).backend == "reference"
     kg.policy.add_rule("rms_norm", ["kernelgate_cpu", "aten"])
     with kg.use(exclude=["kernelgate_cpu"]):
         assert kg.explain("rms_norm", x).backend == "aten"
