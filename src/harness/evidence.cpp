@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <filesystem>
 #include <iterator>
 #include <set>
 #include <stdexcept>
@@ -205,12 +204,9 @@ UsableEvidence usable_evidence(const std::string& user_db,
     return rows;
   };
   std::set<std::string> covered;  // regions the user's own evidence speaks for
-  namespace fs = std::filesystem;
-  std::error_code ec;
-  const bool user_exists = fs::symlink_status(user_db, ec).type() != fs::file_type::not_found;
   if (auto user = store::Store::open(user_db, store::Mode::kReadOnly); !user) {
     // No store yet is the normal first run, not a problem: bench run creates it.
-    if (user_exists)
+    if (!user.not_found)
       out.problems.push_back("store not used: " + user.problem);
     else
       out.notes.push_back("no store at " + user_db + " yet (kernelgate bench run makes one)");

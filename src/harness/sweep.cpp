@@ -148,10 +148,18 @@ SweepReport sweep(const SweepOptions& o) {
   const int device_arch = gpu ? cuda_arch(0) : kCpuArch;
   const int64_t max_elements = gpu ? (int64_t{1} << 28) : (int64_t{1} << 20);
   std::vector<Case> cases = make_cases(o.op, o.grid, o.dtypes, o.seeds, max_elements);
-  std::vector<std::pair<const Case*, std::string>> work;
+  // One run per (case, backend) of this shard. Validation-only rows are kept apart from timed
+  // ones, so a later bench run still times.
+  struct Pending {
+    const Case* c;
+    std::string backend, case_id;
+  };
+  std::vector<Pending> work;
   for (size_t i = 0; i < cases.size(); ++i) {
     if (static_cast<int>(i % o.shard_count) != o.shard_index) continue;
-    for (const auto& b : backends) work.emplace_back(&cases[i], b);
+    const std::string case_id =
+        cases[i].id() + (o.time ? "" : "/untimed") + "/seed=" + std::to_string(cases[i].seed);
+    for (const auto& b : backends) work.push_back({&cases[i], b, case_id});
   }
   SweepReport report;
   report.fingerprint_id = fps.op.id();
@@ -164,7 +172,9 @@ SweepReport sweep(const SweepOptions& o) {
   // may take, twice, plus a worker's start.
   const auto stale_after_s = static_cast<int64_t>(2 * o.case_timeout_s) + 300;
   int done = 0;
-  auto run_one = [&](const Case* c, const std::string& backend, const std::string& case_id) {
+  auto run_one = [&](const Pending& p) {
+    const Case* c = p.c;
+    const std::string& backend = p.backend;
     Measured m;
     if (!availability[backend].ok) {
       m.disposition = store::Disposition::kUnsupported;
@@ -190,7 +200,7 @@ SweepReport sweep(const SweepOptions& o) {
         pool.retire();  // the next run must not reach a worker that is exiting
       }
     }
-    store::Result r = to_result(o.op, backend, case_id, *c, m, device_arch);
+    store::Result r = to_result(o.op, backend, p.case_id, *c, m, device_arch);
     const std::string& id = fingerprint_of[backend];
     if (!run_of.count(id)) run_of[id] = db.begin_run(fps.of(backend), o.command);
     db.add_result(run_of[id], r);
@@ -200,10 +210,6 @@ SweepReport sweep(const SweepOptions& o) {
   };
   // Each run is claimed first: what another sweep into the same store is running is left to it
   // and looked at again once this sweep has run everything else.
-  struct Pending {
-    const Case* c;
-    std::string backend, case_id;
-  };
   std::vector<Pending> deferred;
   auto attempt = [&](const Pending& p) {
     if (o.interrupted && o.interrupted()) throw Interrupted();
@@ -216,15 +222,12 @@ SweepReport sweep(const SweepOptions& o) {
       case store::Store::Claim::kTaken: return false;
       case store::Store::Claim::kMine:
         ++done;
-        run_one(p.c, p.backend, p.case_id);
+        run_one(p);
         return true;
     }
     return false;
   };
-  for (const auto& [c, backend] : work) {
-    // Validation-only rows are kept apart from timed ones, so a later bench run still times.
-    Pending p{c, backend,
-              c->id() + (o.time ? "" : "/untimed") + "/seed=" + std::to_string(c->seed)};
+  for (auto& p : work) {
     if (!attempt(p)) deferred.push_back(std::move(p));
   }
   while (!deferred.empty()) {

@@ -161,6 +161,7 @@ class Store;
 struct OpenResult {
   std::unique_ptr<Store> store;
   std::string problem;
+  bool not_found = false;  // the problem is only that a read-only open found no file there
   explicit operator bool() const { return store != nullptr; }
 };
 

@@ -259,6 +259,7 @@ OpenResult Store::open(const std::string& path, Mode mode, std::span<const Migra
     bool exists = fs::exists(path, ec);
     if (ec) throw Problem{"cannot inspect evidence store " + path + ": " + ec.message()};
     if (!exists && mode == Mode::kReadOnly) {
+      out.not_found = true;
       throw Problem{"no evidence store at " + path + " (a read-only open creates nothing)"};
     }
     if (exists) {

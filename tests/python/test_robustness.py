@@ -361,11 +361,9 @@ def _workers_of(pid):
         try:
             with open(f"/proc/{entry}/environ", "rb") as f:
                 env = f.read().split(b"\0")
-            with open(f"/proc/{entry}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if mark in env and state != "Z":
+        if mark in env and _state(int(entry)) not in ("Z", "gone"):
             found.append(int(entry))
     return found
 
