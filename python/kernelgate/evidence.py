@@ -5,9 +5,13 @@ says where they are.
 """
 
 import glob
+import hashlib
+import lzma
 import os
 import sys
-from typing import List
+import tempfile
+import warnings
+from typing import List, Optional
 
 from . import _C
 
@@ -20,8 +24,51 @@ def db_path() -> str:
 
 
 def shipped_paths() -> List[str]:
-    """Evidence measured on our own GPUs, shipped inside the package."""
-    return sorted(glob.glob(os.path.join(_HERE, "evidence", "*.sqlite")))
+    """Evidence measured on our own GPUs, shipped inside the package: one store per GPU and op,
+    `evidence/<gpu>-<op>.sqlite.xz` (xz: a store compresses about 18x), unpacked once into the
+    cache directory (beside the default store; a temporary directory where that cannot be
+    written) under a name holding the packed file's hash, so an upgrade never reads a stale copy.
+    A plain `evidence/*.sqlite` is used as it is."""
+    found = sorted(glob.glob(os.path.join(_HERE, "evidence", "*.sqlite")))
+    for packed in sorted(glob.glob(os.path.join(_HERE, "evidence", "*.sqlite.xz"))):
+        path = _unpacked(packed)
+        if path is not None:
+            found.append(path)
+    return found
+
+
+def _cache_dirs() -> List[str]:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return [os.path.join(base, "kernelgate", "shipped"),
+            os.path.join(tempfile.gettempdir(), f"kernelgate-shipped-{os.getuid()}")]
+
+
+def _unpacked(packed: str) -> Optional[str]:
+    with open(packed, "rb") as f:
+        data = f.read()
+    name = os.path.basename(packed)[: -len(".xz")]
+    digest = hashlib.sha256(data).hexdigest()[:16]
+    problems = []
+    for d in _cache_dirs():
+        path = os.path.join(d, f"{name[: -len('.sqlite')]}-{digest}.sqlite")
+        if os.path.exists(path):
+            return path
+        try:
+            os.makedirs(d, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=d, prefix=".unpacking-")
+            try:
+                with os.fdopen(fd, "wb") as out:
+                    out.write(lzma.decompress(data))
+                os.replace(tmp, path)  # atomic: a reader sees the whole store or none
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+            return path
+        except (OSError, lzma.LZMAError) as e:
+            problems.append(f"{d}: {e}")
+    warnings.warn(f"kernelgate: the shipped evidence {name} could not be unpacked ("
+                  + "; ".join(problems) + "): calls it covers run the fallback", stacklevel=2)
+    return None
 
 
 def worker_argv(plugins: List[str], python: bool = False) -> List[str]:

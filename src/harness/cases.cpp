@@ -282,11 +282,23 @@ std::vector<Case> make_cases(const std::string& op, Grid grid,
     }
     return d;
   };
+  // A shape's size is its largest tensor argument's element count (linear_cross_entropy's
+  // rows x hidden x classes is no tensor's size: its largest is weight, classes x hidden).
+  auto largest_tensor = [&](const std::map<std::string, int64_t>& d) {
+    int64_t largest = 1;
+    for (const auto& t : c.tensor_args) {
+      int64_t n = 1;
+      for (const auto& ds : t.dims) {
+        auto it = d.find(c.named_dims[ds.named_dim]);
+        n *= std::max<int64_t>(it == d.end() ? 1 : it->second, 1);
+      }
+      largest = std::max(largest, n);
+    }
+    return largest;
+  };
   auto add_shape = [&](std::map<std::string, int64_t> d) {
     d = fit(std::move(d));
-    int64_t elems = 1;
-    for (const auto& [k, v] : d) elems *= std::max<int64_t>(v, 1);
-    if (elems > max_elements) return;
+    if (largest_tensor(d) > max_elements) return;
     std::string key;
     for (const auto& [k, v] : d) key += k + std::to_string(v) + ",";
     if (seen.insert(key).second) shapes.push_back(std::move(d));

@@ -152,8 +152,8 @@ OpContract gated_contract(const char* name, const char* schema) {
   c.dims = "gate: [*rows, hidden]; up: [*rows, hidden]";
   c.dtypes = {at::kFloat, at::kHalf, at::kBFloat16};
   c.dim_ranges = {{"rows", {0, 65536}}, {"hidden", {1, 65536}}};
-  for (int64_t rows : {16384, 4096}) {
-    for (int64_t hidden : {14336, 11008, 8192})
+  for (int64_t rows : {16384, 8192, 4096}) {
+    for (int64_t hidden : {14336, 11008, 8192, 5632})
       c.production_shapes.push_back({{"rows", rows}, {"hidden", hidden}});
   }
   return c;

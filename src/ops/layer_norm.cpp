@@ -195,7 +195,7 @@ OpContract contract() {
   c.dtypes = {at::kFloat, at::kHalf, at::kBFloat16};
   c.scalar_test_values = {{"eps", {1e-5, 1e-6, 0.1}}};
   c.dim_ranges = {{"rows", {0, 65536}}, {"hidden", {1, 65536}}};
-  for (int64_t rows : {16384, 4096, 65536}) {
+  for (int64_t rows : {16384, 8192, 4096, 65536}) {
     for (int64_t hidden : {4096, 1024, 8192}) {
       c.production_shapes.push_back({{"rows", rows}, {"hidden", hidden}});
     }

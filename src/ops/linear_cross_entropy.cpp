@@ -494,7 +494,8 @@ OpContract contract() {
   c.production_shapes = {{{"rows", 8192}, {"hidden", 4096}, {"classes", 128256}},
                          {{"rows", 4096}, {"hidden", 4096}, {"classes", 128256}},
                          {{"rows", 8192}, {"hidden", 3584}, {"classes", 152064}},
-                         {{"rows", 8192}, {"hidden", 2048}, {"classes", 32000}}};
+                         {{"rows", 8192}, {"hidden", 2048}, {"classes", 32000}},
+                         {{"rows", 8192}, {"hidden", 2048}, {"classes", 128256}}};
   c.outputs = {"loss"};
   // The forward's gradients for a unit cotangent ("mean" / "sum" in training; see
   // LinearCrossEntropyFunction), and the lse that a recomputing backward reads.

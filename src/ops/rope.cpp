@@ -79,12 +79,21 @@ TensorPair rope_reference_bwd(const Tensor& gq, const Tensor& gk, const Tensor& 
           dense(rope_math_bwd(in_dtype(gk, acc), c, s), gk)};
 }
 
+// x * c + rotate_half(x) * s with each temporary freed where Python frees it: one C++ expression
+// would keep every temporary of it alive to its end (a q-sized buffer more at the peak).
+Tensor rope_eager_one(const Tensor& x, const Tensor& c, const Tensor& s) {
+  Tensor xc = x * c;
+  Tensor rs = rotate_half(x);
+  rs = rs * s;
+  return xc + rs;
+}
+
 // eager: what a user writes without kernelgate, at the input dtype (the Llama code: q * cos +
 // rotate_half(q) * sin, cos / sin broadcast over heads; for qk_norm_rope F.rms_norm first).
 TensorPair rope_eager(const Tensor& q, const Tensor& k, const Tensor& cos, const Tensor& sin) {
   // cos and sin get no gradient (the op's contract): detached, as the model code holds them.
   Tensor c = cos.detach().unsqueeze(1), s = sin.detach().unsqueeze(1);
-  return {q * c + rotate_half(q) * s, k * c + rotate_half(k) * s};
+  return {rope_eager_one(q, c, s), rope_eager_one(k, c, s)};
 }
 
 TensorPair qk_norm_rope_eager(const Tensor& q, const Tensor& k, const Tensor& qw, const Tensor& kw,
@@ -329,12 +338,14 @@ TensorQuad norm_backward(const Tensor& gq, const Tensor& gk, const Tensor& q, co
 
 void add_llm_shapes(OpContract& c) {
   // (batch, q_heads, kv_heads, seq, head_dim): Llama-3 8B (GQA 32/8), Llama-3 70B (64/8),
-  // Qwen3 (GQA, head_dim 128), a long single sequence, MHA with head_dim 64.
+  // Qwen3 (GQA, head_dim 128), a long single sequence, MHA with head_dim 64, the model of
+  // bench/bench_train_step.py (GQA 16/4, batch 4 x 2048).
   const int64_t shapes[][5] = {{4, 32, 8, 4096, 128},
                                {1, 64, 8, 8192, 128},
                                {8, 32, 8, 2048, 128},
                                {1, 32, 8, 32768, 128},
-                               {16, 16, 16, 1024, 64}};
+                               {16, 16, 16, 1024, 64},
+                               {4, 16, 4, 2048, 128}};
   for (const auto& s : shapes) {
     c.production_shapes.push_back({{"batch", s[0]},
                                    {"q_heads", s[1]},
