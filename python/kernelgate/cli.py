@@ -175,23 +175,50 @@ def _ops_for(name: str) -> List[str]:
     return [name]
 
 
-def _run_sweep(args, time: bool) -> int:
-    grid = "quick" if getattr(args, "quick", False) else getattr(args, "grid", "quick")
-    i, n = args.shard
-    _load_plugins(args.load)
+def _sweep_op(args, op: str, grid: str, time: bool, only=()) -> dict:
     infos = {o["name"]: o for o in kg.ops()}
+    # Python backends and ops run in the Python worker; the others in kernelgate-worker.
+    chosen = [b for b in infos[op]["backends"] if not args.backend or b["name"] in args.backend]
+    python = (infos[op]["defined_in_python"] or any(b["kind"] == "python" for b in chosen)
+              or any(plugins.needs_python_worker(p) for p in args.load))
+    worker = kg.evidence.worker_argv(args.load, python)
+    i, n = args.shard
+    return _C.sweep(op, args.backend, args.dtype, grid, args.seeds, i, n, _db(args), time,
+                    args.case_timeout, args.time_cap, worker,
+                    "kernelgate " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+                    _progress(not args.json), list(only))
+
+
+def _rerank_op(args, op: str, lenders: List[str]) -> dict:
+    """The lender's runs may come from any grid: each grid in turn runs those of them it holds
+    (a run already stored is skipped), until none is left."""
+    total = {"planned": 0, "skipped": 0, "dispositions": {}, "worker_restarts": 0, "seconds": 0.0}
+    for grid in ("full", "quick", "smoke"):
+        only = _C.rerank_plan(op, _db(args), lenders)
+        if not only:
+            break
+        r = _sweep_op(args, op, grid, True, only)
+        for k in ("planned", "worker_restarts", "seconds"):
+            total[k] += r[k]
+        for k, v in r["dispositions"].items():
+            total["dispositions"][k] = total["dispositions"].get(k, 0) + v
+        total["fingerprint_id"] = r["fingerprint_id"]
+    total["not_found"] = len(_C.rerank_plan(op, _db(args), lenders))  # cases no grid makes here
+    return total
+
+
+def _run_sweep(args, time: bool, lenders=None) -> int:
+    """lenders: rerank what their evidence shows correct, else run every run of the grid."""
+    grid = "quick" if getattr(args, "quick", False) else getattr(args, "grid", "quick")
+    if lenders is None:
+        _load_plugins(args.load)
     reports = {}
     for op in _ops_for(args.op):
-        # Python backends and ops run in the Python worker; the others in kernelgate-worker.
-        chosen = [b for b in infos[op]["backends"] if not args.backend or b["name"] in args.backend]
-        python = (infos[op]["defined_in_python"] or any(b["kind"] == "python" for b in chosen)
-                  or any(plugins.needs_python_worker(p) for p in args.load))
-        worker = kg.evidence.worker_argv(args.load, python)
+        if lenders is not None and not _C.rerank_plan(op, _db(args), lenders):
+            continue  # nothing borrowed to time for this op
         try:
-            reports[op] = _C.sweep(op, args.backend, args.dtype, grid, args.seeds, i, n, _db(args), time,
-                                   args.case_timeout, args.time_cap, worker,
-                                   "kernelgate " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
-                                   _progress(not args.json))
+            reports[op] = (_sweep_op(args, op, grid, time) if lenders is None
+                           else _rerank_op(args, op, lenders))
         except (RuntimeError, ValueError) as exc:
             if args.op == "all" and str(exc).startswith("cannot sweep"):
                 reports[op] = {"not_swept": str(exc)}  # the other ops still run
@@ -221,6 +248,26 @@ def cmd_bench_run(args) -> int:
     return _run_sweep(args, time=True)
 
 
+def cmd_rerank(args) -> int:
+    """Times on this GPU what evidence borrowed from another GPU of its architecture (and this
+    build) shows correct: the runs its lender timed, each validated again here (docs/evidence.md,
+    "Across GPUs of one architecture"). The other runs' verdicts stay borrowed."""
+    _load_plugins(args.load)
+    shipped = args.lender or kg.evidence.shipped_paths()
+    plans = {op: _C.rerank_plan(op, _db(args), shipped) for op in _ops_for(args.op)}
+    if not any(plans.values()):
+        print(json.dumps({}) if args.json else
+              "kernelgate rerank: no borrowed evidence to time here (none from another GPU of this "
+              "architecture and build, or every run already timed)")
+        return 0
+    args.seeds, args.shard, args.backend, args.dtype = 1, (0, 1), [], []
+    if not args.json:
+        print("rerank: " + ", ".join(f"{op} {len(p)} runs" for op, p in plans.items() if p))
+    rc = _run_sweep(args, time=True, lenders=shipped)
+    kg.evidence.install()  # this process's policy reads the new rows
+    return rc
+
+
 def cmd_policy_show(args) -> int:
     out = {}
     for op in _ops_for(args.op):
@@ -240,12 +287,15 @@ def cmd_policy_show(args) -> int:
                     f = ", ".join(f"{k} {v}" for k, v in s["failures"].items())
                     failures.append(f"{s['backend']}: {f}")
             margin = f"{r['margin'] * 100:+.1f}% ({r['comparison']})" if len(ranked) > 1 else ""
-            rows.append([r["region"], ranked[0] if ranked else "reference (no passing backend)",
+            none = ("none (borrowed evidence: correct here, not timed here)" if "borrowed from" in r["evidence"]
+                    else "none (no passing, timed backend): the fallback serves")
+            rows.append([r["region"], ranked[0] if ranked else none,
                          ranked[1] if len(ranked) > 1 else "", margin, "; ".join(failures) or "none"])
         if rows:
             print(_table(rows, ["region", "winner", "runner-up", "margin", "failures"]))
         else:
-            print(f"{op}: no evidence for this fingerprint: every call runs the reference")
+            print(f"{op}: no evidence for this fingerprint: every call runs the fallback "
+                  "(the op as plain PyTorch code, else the reference)")
     return 0
 
 
@@ -293,6 +343,8 @@ def cmd_doctor(args) -> int:
             print(f"  stale: {s['results']} results from {s['gpu_name']} ({s['id'][:12]}): "
                   + "; ".join(s["why_stale"]))
     print(f"policy: {st['policy']}")
+    if "borrowed from" in st["policy"]:
+        print("  borrowed evidence proves correctness only: `kernelgate rerank` times it on this GPU")
     return 0
 
 
@@ -434,6 +486,21 @@ def main(argv: Optional[List[str]] = None) -> int:
     _add_sweep_args(p, timing=True)
     p.add_argument("--grid", choices=["smoke", "quick", "full"], default="quick")
     p.set_defaults(fn=cmd_bench_run)
+
+    p = sub.add_parser("rerank", help="time on this GPU what evidence borrowed from another GPU "
+                                      "of its architecture shows correct")
+    p.add_argument("op", nargs="?", default="all", help="an op name, or 'all' (default)")
+    p.add_argument("--case-timeout", type=_seconds(positive=True), default=120.0,
+                   help="seconds before a case counts as hung (> 0)")
+    p.add_argument("--time-cap", type=_seconds(positive=False), default=1.0,
+                   help="seconds of timing per run (>= 0)")
+    _add_load_arg(p)
+    p.add_argument("--db", default=None, help="store file (default: KERNELGATE_DB or the cache directory)")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--lender", action="append", default=[],
+                   help="a store measured on another GPU to borrow from (repeat for several; "
+                        "default: the evidence shipped with kernelgate)")
+    p.set_defaults(fn=cmd_rerank)
 
     p = sub.add_parser("policy", help="the policy the evidence gives")
     pol = p.add_subparsers(dest="policy_command", required=True)

@@ -340,8 +340,10 @@ Decision* Dispatcher::Impl::decide(const OpEntry& e, const DispatchKey& key,
     const std::string who =
         fallback_ok ? e.backends[fb].name + " (the op as plain PyTorch code) serves it"
                     : std::string("the reference serves it");
-    d->reason = ranked.empty() ? "no evidence for this region: " + who
-                               : "no backend ranked by policy is available or allowed: " + who;
+    d->reason = !ranked.empty() ? "no backend ranked by policy is available or allowed: " + who
+                : evidence.empty()
+                    ? "no evidence for this region: " + who
+                    : "the evidence for this region ranks no backend (" + evidence + "): " + who;
     logs->push_back({LogLevel::kInfo, d->reason});
   }
   if (fallback_ok) push(fb);

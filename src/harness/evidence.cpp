@@ -145,6 +145,16 @@ bool shipped_evidence_applies(const store::Fingerprint& stored, const store::Fin
   return a.id() == b.id();
 }
 
+bool evidence_borrowable(const store::Fingerprint& stored, const store::Fingerprint& current) {
+  if (shipped_evidence_applies(stored, current)) return false;
+  store::Fingerprint a = stored, b = current;
+  a.gpu_name = b.gpu_name = "";
+  a.sm_count = b.sm_count = 0;
+  a.driver = b.driver = "";
+  a.memory_bytes = b.memory_bytes = 0;
+  return a.id() == b.id();
+}
+
 // ---- usable evidence ---------------------------------------------------------------------------
 
 namespace {
@@ -155,12 +165,22 @@ bool speaks_for_region(const store::Result& r) {
   return r.disposition != store::Disposition::kUnsupported;
 }
 
+enum class Admit { kCurrent, kShipped, kBorrowed };
+
 // Rows of `op` in `s` that may serve this process: each row's stored fingerprint is its
-// backend's current one or, for shipped evidence, one the shipped rule admits for it.
-std::vector<store::Result> usable_rows(const store::Store& s, bool shipped, const std::string& op,
-                                       const OpFingerprints& current) {
+// backend's current one or, for shipped evidence, one the shipped rule (or, kBorrowed, the
+// borrowing rule) admits for it. `lenders`, when given, receives each row's GPU name.
+std::vector<store::Result> usable_rows(const store::Store& s, Admit rule, const std::string& op,
+                                       const OpFingerprints& current,
+                                       std::vector<std::string>* lenders = nullptr) {
+  const bool shipped = rule != Admit::kCurrent;
   auto admits = [&](const store::Fingerprint& stored, const store::Fingerprint& now) {
-    return shipped ? shipped_evidence_applies(stored, now) : stored.id() == now.id();
+    switch (rule) {
+      case Admit::kCurrent: return stored.id() == now.id();
+      case Admit::kShipped: return shipped_evidence_applies(stored, now);
+      case Admit::kBorrowed: return evidence_borrowable(stored, now);
+    }
+    return false;
   };
   // The stored fingerprints worth reading: the current ones and, for shipped evidence, every
   // other stored one (the rule admits some of them).
@@ -182,7 +202,10 @@ std::vector<store::Result> usable_rows(const store::Store& s, bool shipped, cons
       if (it == admitted.end()) {
         it = admitted.emplace(r.backend, admits(f, current.of(r.backend))).first;
       }
-      if (it->second) rows.push_back(std::move(r));
+      if (it->second) {
+        rows.push_back(std::move(r));
+        if (lenders) lenders->push_back(f.gpu_name);
+      }
     }
   }
   return rows;
@@ -194,10 +217,10 @@ UsableEvidence usable_evidence(const std::string& user_db,
                                const std::vector<std::string>& shipped_dbs,
                                const std::map<std::string, OpFingerprints>& fingerprints) {
   UsableEvidence out;
-  auto read = [&](const store::Store& s, bool shipped) {
+  auto read = [&](const store::Store& s, Admit rule, std::vector<std::string>* lenders = nullptr) {
     std::vector<store::Result> rows;
     for (const auto& [op, fps] : fingerprints) {
-      auto more = usable_rows(s, shipped, op, fps);
+      auto more = usable_rows(s, rule, op, fps, lenders);
       rows.insert(rows.end(), std::make_move_iterator(more.begin()),
                   std::make_move_iterator(more.end()));
     }
@@ -212,7 +235,7 @@ UsableEvidence usable_evidence(const std::string& user_db,
       out.notes.push_back("no store at " + user_db + " yet (kernelgate bench run makes one)");
   } else {
     try {
-      EvidenceSet set{false, "evidence in " + user_db, read(*user.store, false)};
+      EvidenceSet set{false, false, "evidence in " + user_db, read(*user.store, Admit::kCurrent)};
       for (const auto& r : set.rows) {
         if (speaks_for_region(r)) covered.insert(r.region);
       }
@@ -223,8 +246,11 @@ UsableEvidence usable_evidence(const std::string& user_db,
       out.problems.push_back(std::string("store not used: ") + ex.what());
     }
   }
-  // Shipped evidence serves the regions the user's store says nothing about.
-  EvidenceSet shipped{true, "evidence shipped with kernelgate", {}};
+  // Shipped evidence serves the regions the user's store says nothing about; evidence of another
+  // GPU of this architecture and build is borrowed: correctness, not timings.
+  EvidenceSet shipped{true, false, "evidence shipped with kernelgate", {}};
+  std::vector<store::Result> borrowed;
+  std::vector<std::string> lenders;  // per borrowed row
   for (const auto& path : shipped_dbs) {
     auto s = store::Store::open(path, store::Mode::kReadOnly);
     if (!s) {
@@ -233,17 +259,69 @@ UsableEvidence usable_evidence(const std::string& user_db,
     }
     try {
       size_t used = 0;
-      for (auto& r : read(*s.store, true)) {
+      for (auto& r : read(*s.store, Admit::kShipped)) {
         if (covered.count(r.region)) continue;
         shipped.rows.push_back(std::move(r));
         ++used;
       }
-      out.notes.push_back("shipped evidence " + path + ": " + std::to_string(used) + " rows apply");
+      const size_t before = borrowed.size();
+      auto more = read(*s.store, Admit::kBorrowed, &lenders);
+      borrowed.insert(borrowed.end(), std::make_move_iterator(more.begin()),
+                      std::make_move_iterator(more.end()));
+      out.notes.push_back("shipped evidence " + path + ": " + std::to_string(used) + " rows apply" +
+                          (borrowed.size() > before
+                               ? ", " + std::to_string(borrowed.size() - before) +
+                                     " borrowed (another GPU of this architecture)"
+                               : ""));
     } catch (const std::exception& ex) {
       out.problems.push_back(std::string("shipped evidence not used: ") + ex.what());
     }
   }
+  std::set<std::string> shipped_regions;
+  for (const auto& r : shipped.rows) {
+    if (speaks_for_region(r)) shipped_regions.insert(r.region);
+  }
   if (!shipped.rows.empty()) out.sets.push_back(std::move(shipped));
+
+  // Borrowed rows: case by case under the user's own rows, alone where nothing else speaks.
+  using RunKey = std::tuple<std::string, std::string, std::string>;
+  std::set<RunKey> local;
+  EvidenceSet* user_set = nullptr;
+  for (auto& set : out.sets) {
+    if (set.shipped) continue;
+    user_set = &set;
+    for (const auto& r : set.rows) local.insert({r.op, r.backend, r.case_id});
+  }
+  EvidenceSet lent{true, true, "", {}};
+  std::set<std::string> lent_by;
+  for (size_t i = 0; i < borrowed.size(); ++i) {
+    store::Result& r = borrowed[i];
+    if (shipped_regions.count(r.region) || local.count({r.op, r.backend, r.case_id})) continue;
+    if (r.disposition == store::Disposition::kPassed &&
+        (r.device_median_us || r.eager_median_us)) {
+      out.to_rerank.insert({r.op, r.backend, r.case_id});
+    }
+    // Timings of another GPU never rank here; the reason says whose verdict this is.
+    r.device_median_us = r.device_spread_us = r.eager_median_us = r.eager_spread_us = {};
+    r.rel_noise = {};
+    r.device_samples = r.eager_samples = 0;
+    r.reason = "borrowed from " + lenders[i] + (r.reason.empty() ? "" : ": " + r.reason);
+    out.borrowed_in[r.region].insert(lenders[i]);
+    if (covered.count(r.region) && user_set != nullptr) {
+      user_set->rows.push_back(std::move(r));
+    } else {
+      lent_by.insert(lenders[i]);
+      lent.rows.push_back(std::move(r));
+    }
+  }
+  if (!lent.rows.empty()) {
+    std::string names;
+    for (const auto& n : lent_by) names += (names.empty() ? "" : ", ") + n;
+    lent.provenance = "evidence borrowed from " + names +
+                      " (same architecture and build: correctness only, not timed on this GPU;"
+                      " kernelgate rerank times it)";
+    out.sets.push_back(std::move(lent));
+  }
   return out;
 }
 
@@ -413,6 +491,12 @@ std::vector<RegionPolicy> derive_policy(const UsableEvidence& evidence) {
   for (const auto& set : evidence.sets) {
     for (auto& r : derive_policy(set.rows)) {
       r.evidence = set.provenance;
+      auto lent = evidence.borrowed_in.find(r.region);
+      if (!set.borrowed && lent != evidence.borrowed_in.end()) {
+        std::string names;
+        for (const auto& n : lent->second) names += (names.empty() ? "" : ", ") + n;
+        r.evidence += "; correctness of cases not run here borrowed from " + names;
+      }
       out.push_back(std::move(r));
     }
   }
@@ -420,15 +504,26 @@ std::vector<RegionPolicy> derive_policy(const UsableEvidence& evidence) {
 }
 
 EvidencePolicy::EvidencePolicy(const UsableEvidence& evidence) {
-  std::map<std::string, int> regions;  // provenance -> regions it ranks backends in
+  std::map<std::string, int> regions;  // set provenance -> regions it ranks backends in
   for (auto& r : derive_policy(evidence)) {
-    if (r.ranked.empty()) continue;
-    ++regions[r.evidence];
+    // A region whose evidence ranks nothing (borrowed, untimed) still names it, for explain.
+    if (r.ranked.empty() && evidence.borrowed_in.count(r.region) == 0) continue;
     by_region_[r.region] = {std::move(r.ranked), std::move(r.evidence)};
+  }
+  for (const auto& [region, entry] : by_region_) {
+    for (const auto& set : evidence.sets) {  // the set whose provenance names the region
+      if (!entry.ranked.empty() && entry.evidence.rfind(set.provenance, 0) == 0) {
+        ++regions[set.provenance];
+        break;
+      }
+    }
   }
   for (const auto& set : evidence.sets) {
     description_ += (description_.empty() ? "" : "; ") + set.provenance + " (" +
-                    std::to_string(regions[set.provenance]) + " regions)";
+                    (set.borrowed ? std::to_string(set.rows.size()) +
+                                        " rows; they rank no region until reranked"
+                                  : std::to_string(regions[set.provenance]) + " regions") +
+                    ")";
   }
 }
 

@@ -10,7 +10,9 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "kernelgate/dispatch.h"
@@ -46,21 +48,37 @@ std::map<std::string, OpFingerprints> current_fingerprints(const std::string& op
 // field matches but the driver version and the memory size.
 bool shipped_evidence_applies(const store::Fingerprint& stored, const store::Fingerprint& current);
 
+// True when shipped evidence measured under `stored` is *borrowed* by a process with `current`:
+// another GPU model (name, SM count, memory, driver differ) of the same architecture (compute
+// capability) running an identical build (CUDA runtime, torch, kernelgate, the op's source hash,
+// backend versions), and shipped_evidence_applies does not hold. Its pass/fail results transfer
+// (the same compiled code on the same instruction set); its timings do not (another memory
+// system, SM count and clock): borrowed rows give eligibility, never a ranking.
+bool evidence_borrowable(const store::Fingerprint& stored, const store::Fingerprint& current);
+
 // ---- usable evidence --------------------------------------------------------------------------
 
 // Rows that may serve this process, from one source.
 struct EvidenceSet {
   bool shipped = false;
-  // What explain and `policy show` name as the evidence: "evidence in <user store>" or
-  // "evidence shipped with kernelgate".
+  bool borrowed = false;  // rows borrowed from another GPU of this architecture, untimed
+  // What explain and `policy show` name as the evidence: "evidence in <user store>",
+  // "evidence shipped with kernelgate" or "evidence borrowed from <GPU> ...".
   std::string provenance;
   std::vector<store::Result> rows;
 };
 
 struct UsableEvidence {
   // The user's store first (when it could be read), then the shipped evidence (when any row
-  // applies). No region has rows in two sets.
+  // applies), then evidence borrowed from other GPUs of this architecture for the regions
+  // neither speaks for. No region has rows in two sets.
   std::vector<EvidenceSet> sets;
+  // Regions holding borrowed rows -> the GPUs lending them (also regions of the user's set: a
+  // rerank times there what borrowed rows prove correct, case by case).
+  std::map<std::string, std::set<std::string>> borrowed_in;
+  // (op, backend, case id) that borrowed rows show passing and their lender timed, and the
+  // user's store holds no row of: what `kernelgate rerank` runs (validated and timed here).
+  std::set<std::tuple<std::string, std::string, std::string>> to_rerank;
   std::vector<std::string> notes;     // per source used (or user store not made yet): for people
   std::vector<std::string> problems;  // per existing source left out: why
 };
@@ -68,7 +86,11 @@ struct UsableEvidence {
 // The one rule for which evidence serves this process, for the ops of `fingerprints`:
 // - the user's store: rows whose fingerprint is their (op, backend)'s current one;
 // - shipped stores: rows whose fingerprint shipped_evidence_applies to their (op, backend)'s,
-//   only in regions where the user's store has no evidence (a row other than unsupported).
+//   only in regions where the user's store has no evidence (a row other than unsupported);
+// - borrowed rows (evidence_borrowable), their timings cleared: in a region the user's store
+//   speaks for, for each (backend, case) it has no row of (so a rerank's local timings rank
+//   the backends the borrowed rows prove correct, and a borrowed failure keeps its backend out);
+//   in a region no other set speaks for, as a set of their own, which ranks nothing.
 // A source that cannot be opened or read is left out, with the reason in problems. Never throws.
 UsableEvidence usable_evidence(const std::string& user_db,
                                const std::vector<std::string>& shipped_dbs,

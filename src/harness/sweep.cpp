@@ -159,7 +159,9 @@ SweepReport sweep(const SweepOptions& o) {
     if (static_cast<int>(i % o.shard_count) != o.shard_index) continue;
     const std::string case_id =
         cases[i].id() + (o.time ? "" : "/untimed") + "/seed=" + std::to_string(cases[i].seed);
-    for (const auto& b : backends) work.push_back({&cases[i], b, case_id});
+    for (const auto& b : backends) {
+      if (o.only.empty() || o.only.count({b, case_id})) work.push_back({&cases[i], b, case_id});
+    }
   }
   SweepReport report;
   report.fingerprint_id = fps.op.id();

@@ -3,6 +3,7 @@
 #pragma once
 #include <functional>
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -30,6 +31,9 @@ struct SweepOptions {
   bool time = true;
   double case_timeout_s = 120;
   double time_cap_s = 1.0;
+  // Only these (backend, case id) runs, where not empty (`kernelgate rerank`: what borrowed
+  // evidence shows correct, to time on this GPU); each is still validated.
+  std::set<std::pair<std::string, std::string>> only;
   std::vector<std::string> worker_argv;  // kernelgate-worker [--load plugin.so ...]
   std::string command;                   // recorded with the run
   std::function<void(int done, int total, const std::string& what)> progress;

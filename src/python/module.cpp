@@ -168,13 +168,32 @@ py::dict fingerprint_dict(const store::Fingerprint& f) {
   return d;
 }
 
+// The id a fingerprint with these fields has (fingerprint_dict's keys; "id" is ignored): for
+// tools and tests that write evidence under another machine's fingerprint.
+std::string fingerprint_id(const py::dict& d) {
+  store::Fingerprint f;
+  f.gpu_name = d["gpu_name"].cast<std::string>();
+  f.compute_capability = d["compute_capability"].cast<std::string>();
+  f.sm_count = d["sm_count"].cast<int>();
+  f.memory_bytes = d["memory_bytes"].cast<int64_t>();
+  f.driver = d["driver"].cast<std::string>();
+  f.cuda_runtime = d["cuda_runtime"].cast<std::string>();
+  f.torch_version = d["torch_version"].cast<std::string>();
+  f.kernelgate_version = d["kernelgate_version"].cast<std::string>();
+  f.source_hash = d["source_hash"].cast<std::string>();
+  f.backend_versions = d["backend_versions"].cast<std::map<std::string, std::string>>();
+  return f.id();
+}
+
 py::dict run_sweep(const std::string& op, const std::vector<std::string>& backends,
                    const std::vector<std::string>& dtypes, const std::string& grid, int seeds,
                    int shard_index, int shard_count, const std::string& db, bool time,
                    double case_timeout_s, double time_cap_s,
                    const std::vector<std::string>& worker_argv, const std::string& command,
-                   py::object progress) {
+                   py::object progress,
+                   const std::vector<std::pair<std::string, std::string>>& only) {
   harness::SweepOptions o;
+  o.only.insert(only.begin(), only.end());
   o.op = op;
   o.backends = backends;
   o.dtypes = dtypes;
@@ -224,6 +243,19 @@ py::dict run_sweep(const std::string& op, const std::vector<std::string>& backen
   d["worker_restarts"] = r.worker_restarts;
   d["seconds"] = r.seconds;
   return d;
+}
+
+// What `kernelgate rerank` runs for `op`: the (backend, case id) runs that borrowed evidence
+// shows correct and its lender timed, which the user's store does not hold.
+std::vector<std::pair<std::string, std::string>> rerank_plan(const std::string& op,
+                                                             const std::string& db,
+                                                             const std::vector<std::string>& shipped) {
+  const auto evidence = harness::usable_evidence(db, shipped, harness::current_fingerprints(op));
+  std::vector<std::pair<std::string, std::string>> out;
+  for (const auto& [o, backend, case_id] : evidence.to_rerank) {
+    if (o == op) out.emplace_back(backend, case_id);
+  }
+  return out;
 }
 
 // The regions the dispatcher's evidence source (LazyEvidencePolicy) would load for `op`: the
@@ -366,6 +398,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("sweep", &run_sweep);
   m.def("load_plugin", [](const std::string& path) { harness::load_backend_plugin(path); });
   m.def("policy_regions", &policy_regions);
+  m.def("rerank_plan", &rerank_plan);
+  m.def("fingerprint_id", &fingerprint_id);
   m.def("store_status", &store_status);
   m.def("db_merge", [](const std::string& db, const std::string& other) {
     std::optional<store::OpenResult> h;

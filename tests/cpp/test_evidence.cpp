@@ -194,31 +194,51 @@ TEST_F(EvidenceTest, ShippedEvidenceServesOnlyRegionsTheUserStoreSaysNothingAbou
   auto ours = f;  // the same build on our GPU: another driver and memory size
   ours.driver = "12.9";
   ours.memory_bytes = 140000000000;
-  auto other_gpu = ours;
+  auto other_gpu = ours;  // another GPU of the same architecture, the same build: borrowed
   other_gpu.gpu_name = "NVIDIA H100 80GB HBM3";
+  auto other_arch = other_gpu;
+  other_arch.compute_capability = "8.0";
   const std::string shipped = make_store(
       "shipped.sqlite", {{ours, row("reference", 30, "r1")},  // the user's evidence speaks for r1
                          {ours, row("reference", 30, "r2")},
                          {ours, row("kernelgate_cpu", 3, "r2")},
                          {ours, row("kernelgate_cpu", 4, "r3")},
                          {with_version(ours, "py", "code=v1"), row("py", 1, "r3")},
-                         {other_gpu, row("reference", 7, "r4")}});
+                         {other_gpu, row("reference", 7, "r4")},
+                         {other_gpu, row("kernelgate_cpu", 2, "r2")},  // r2 has our own GPU's
+                         {other_arch, row("reference", 7, "r5")}});
   const auto evidence = usable_evidence(user, {shipped}, current("code=v2"));
-  ASSERT_EQ(evidence.sets.size(), 2u);
+  ASSERT_EQ(evidence.sets.size(), 3u);
   EXPECT_TRUE(evidence.sets[1].shipped);
   EXPECT_EQ(evidence.sets[1].provenance, "evidence shipped with kernelgate");
   EXPECT_EQ(backends_of(evidence.sets[1].rows),
             (Names{"kernelgate_cpu@3.000000", "kernelgate_cpu@4.000000", "reference@30.000000"}));
+  // Borrowed: the other GPU's row where nothing else speaks, its timing dropped.
+  const auto& lent = evidence.sets[2];
+  EXPECT_TRUE(lent.shipped && lent.borrowed);
+  ASSERT_EQ(lent.rows.size(), 1u);
+  EXPECT_EQ(lent.rows[0].region, "r4");
+  EXPECT_FALSE(lent.rows[0].device_median_us.has_value());
+  EXPECT_EQ(lent.rows[0].reason.rfind("borrowed from NVIDIA H100 80GB HBM3", 0), 0u);
+  const std::string lent_by =
+      "evidence borrowed from NVIDIA H100 80GB HBM3 (same architecture and build: correctness "
+      "only, not timed on this GPU; kernelgate rerank times it)";
+  EXPECT_EQ(lent.provenance, lent_by);
+  EXPECT_EQ(evidence.to_rerank,
+            (std::set<std::tuple<std::string, std::string, std::string>>{{"op", "reference", "r4/a/seed=0"}}));
   std::map<std::string, std::pair<std::string, Names>> got;  // region -> (provenance, ranked)
   for (const auto& r : derive_policy(evidence)) got[r.region] = {r.evidence, r.ranked};
   const std::string ours_too = "evidence shipped with kernelgate";
   EXPECT_EQ(got, (std::map<std::string, std::pair<std::string, Names>>{
                      {"r1", {"evidence in " + user, Names{"kernelgate_cpu", "reference"}}},
                      {"r2", {ours_too, Names{"kernelgate_cpu", "reference"}}},
-                     {"r3", {ours_too, Names{"kernelgate_cpu"}}}}));
-  EXPECT_EQ(evidence.notes.back(), "shipped evidence " + shipped + ": 3 rows apply");
+                     {"r3", {ours_too, Names{"kernelgate_cpu"}}},
+                     {"r4", {lent_by, Names{}}}}));
+  EXPECT_EQ(evidence.notes.back(), "shipped evidence " + shipped +
+                                       ": 3 rows apply, 2 borrowed (another GPU of this architecture)");
   EXPECT_EQ(EvidencePolicy(evidence).describe(),
-            "evidence in " + user + " (1 regions); evidence shipped with kernelgate (2 regions)");
+            "evidence in " + user + " (1 regions); evidence shipped with kernelgate (2 regions); " +
+                lent_by + " (1 rows; they rank no region until reranked)");
 }
 
 TEST_F(EvidenceTest, ASourceThatCannotBeReadIsLeftOutWithTheReason) {
@@ -255,6 +275,37 @@ TEST(Fingerprints, ShippedEvidenceRule) {
     store::Fingerprint other = user;
     change(other);
     EXPECT_FALSE(shipped_evidence_applies(ours, other)) << other.gpu_name;
+  }
+}
+
+TEST(Fingerprints, BorrowingRule) {
+  // Another GPU model of the same architecture, identical build: borrowed (correctness only).
+  store::Fingerprint h200 = machine();
+  h200.gpu_name = "NVIDIA H200";
+  h200.compute_capability = "9.0";
+  h200.sm_count = 132;
+  store::Fingerprint h100 = h200;
+  h100.gpu_name = "NVIDIA H100 80GB HBM3";
+  h100.sm_count = 132;
+  h100.memory_bytes = 85000000000;
+  h100.driver = "13.1";
+  EXPECT_TRUE(evidence_borrowable(h200, h100));
+  EXPECT_FALSE(shipped_evidence_applies(h200, h100));
+  h100.sm_count = 114;  // the PCIe part
+  EXPECT_TRUE(evidence_borrowable(h200, h100));
+  // Evidence that applies as it is is not borrowed.
+  EXPECT_FALSE(evidence_borrowable(h200, h200));
+  // Another architecture or any other build: neither.
+  for (auto change : std::vector<std::function<void(store::Fingerprint&)>>{
+           [](auto& f) { f.compute_capability = "10.0"; },
+           [](auto& f) { f.torch_version = "2.12.0"; }, [](auto& f) { f.source_hash = "def"; },
+           [](auto& f) { f.kernelgate_version = "0.2.0"; },
+           [](auto& f) { f.cuda_runtime = "12.8"; },
+           [](auto& f) { f.backend_versions["py"] = "code=v2"; }}) {
+    store::Fingerprint other = h100;
+    change(other);
+    EXPECT_FALSE(evidence_borrowable(h200, other));
+    EXPECT_FALSE(shipped_evidence_applies(h200, other));
   }
 }
 
