@@ -85,6 +85,10 @@ def measure_fwd_bwd(f, inputs, dy, fwd_bytes: int, bwd_bytes: int, copy_bw: floa
 
 
 def environment(command: str) -> Dict[str, object]:
+    if not torch.cuda.is_available():  # a check of a script on the CPU: no GPU to describe
+        return {"gpu": None, "torch": torch.__version__, "python": sys.version.split()[0],
+                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "command": command}
     props = torch.cuda.get_device_properties(0)
     try:
         clocks = subprocess.run(

@@ -1,0 +1,348 @@
+"""One training step (forward and backward) of a Llama-style model, end to end: the number every
+op-level claim ends in.
+
+The model (default sizes): 8 layers, hidden 2048, 16 query and 4 kv heads of 128, swiglu MLP 5632,
+vocab 128256, batch 4 x 2048 tokens, bfloat16, attention through SDPA (causal, GQA) in every
+variant, the same weights and the same batch. Variants:
+
+  eager               plain PyTorch: F.rms_norm, the Hugging Face rope, F.silu(g) * u,
+                      F.cross_entropy(F.linear(h, w).float(), t)
+  compile             torch.compile of the eager model
+  liger               Liger-Kernel's functional ops (fused add + rms_norm, rope, swiglu, fused
+                      linear cross entropy), where liger_kernel imports
+  kernelgate          kg.add_rms_norm, kg.rms_norm, kg.rope, kg.swiglu, kg.linear_cross_entropy,
+                      with the evidence as installed (the shipped evidence, no user store)
+  kernelgate_compile  torch.compile of the kernelgate model
+
+Per variant: step time (CUDA events, warm-up excluded, median), tokens/s, peak memory of the
+step, and agreement with eager (loss, and the relative error of every parameter's gradient).
+For the kernelgate variants, which backend serves each op at the model's shapes (`kg.explain`).
+
+    python bench/bench_train_step.py --out bench/results/h200/train_step.json
+    python bench/bench_train_step.py --tiny --device cpu --variants eager,kernelgate   # a check
+"""
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+
+import kernelgate as kg
+from kernelgate import _C
+from common import environment, print_table, write_json
+
+FULL = dict(layers=8, hidden=2048, heads=16, kv_heads=4, head_dim=128, mlp=5632, vocab=128256,
+            batch=4, seq=2048)
+TINY = dict(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, mlp=96, vocab=200, batch=2, seq=16)
+EPS = 1e-6
+
+
+def rotate_half(x):
+    h = x.shape[-1] // 2
+    return torch.cat([-x[..., h:], x[..., :h]], -1)
+
+
+class EagerOps:
+    """What the model code says without any kernel library."""
+
+    name = "eager"
+
+    def norm(self, x, w):
+        return F.rms_norm(x, (x.shape[-1],), w, EPS)
+
+    def add_norm(self, x, residual, w):
+        h = x + residual
+        return self.norm(h, w), h
+
+    def rope(self, q, k, cos, sin):
+        c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+        return q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
+
+    def swiglu(self, g, u):
+        return F.silu(g) * u
+
+    def loss(self, h, w, t):
+        return F.cross_entropy(F.linear(h, w).float(), t)
+
+
+class KernelgateOps:
+    name = "kernelgate"
+
+    def norm(self, x, w):
+        return kg.rms_norm(x, w, EPS)
+
+    def add_norm(self, x, residual, w):
+        return kg.add_rms_norm(x, residual, w, EPS)
+
+    def rope(self, q, k, cos, sin):
+        return kg.rope(q, k, cos, sin)
+
+    def swiglu(self, g, u):
+        return kg.swiglu(g, u)
+
+    def loss(self, h, w, t):
+        return kg.linear_cross_entropy(h, w, t)
+
+
+class LigerOps(EagerOps):
+    name = "liger"
+
+    def __init__(self):
+        from liger_kernel.transformers import functional as lf
+        self.lf = lf
+
+    def norm(self, x, w):
+        return self.lf.liger_rms_norm(x, w, EPS, in_place=False)
+
+    def add_norm(self, x, residual, w):
+        return self.lf.liger_fused_add_rms_norm(x, residual, w, EPS, in_place=False)
+
+    def rope(self, q, k, cos, sin):
+        return self.lf.liger_rope(q, k, cos, sin)
+
+    def swiglu(self, g, u):
+        return self.lf.liger_swiglu(g, u)
+
+    def loss(self, h, w, t):
+        return self.lf.liger_fused_linear_cross_entropy(h, w, t)
+
+
+class Model(torch.nn.Module):
+    def __init__(self, cfg, ops):
+        super().__init__()
+        self.cfg, self.ops = cfg, ops
+        H, D = cfg["hidden"], cfg["head_dim"]
+        self.embed = torch.nn.Embedding(cfg["vocab"], H)
+        self.layers = torch.nn.ModuleList()
+        for _ in range(cfg["layers"]):
+            layer = torch.nn.Module()
+            layer.attn_norm = torch.nn.Parameter(torch.ones(H))
+            layer.q = torch.nn.Linear(H, cfg["heads"] * D, bias=False)
+            layer.k = torch.nn.Linear(H, cfg["kv_heads"] * D, bias=False)
+            layer.v = torch.nn.Linear(H, cfg["kv_heads"] * D, bias=False)
+            layer.o = torch.nn.Linear(cfg["heads"] * D, H, bias=False)
+            layer.mlp_norm = torch.nn.Parameter(torch.ones(H))
+            layer.gate = torch.nn.Linear(H, cfg["mlp"], bias=False)
+            layer.up = torch.nn.Linear(H, cfg["mlp"], bias=False)
+            layer.down = torch.nn.Linear(cfg["mlp"], H, bias=False)
+            self.layers.append(layer)
+        self.final_norm = torch.nn.Parameter(torch.ones(H))
+        self.lm_head = torch.nn.Linear(H, cfg["vocab"], bias=False)
+        inv = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+        ang = torch.outer(torch.arange(cfg["seq"]).float(), inv)
+        ang = torch.cat([ang, ang], -1)[None]  # [1, seq, head_dim]
+        self.register_buffer("cos", ang.cos(), persistent=False)
+        self.register_buffer("sin", ang.sin(), persistent=False)
+
+    def forward(self, ids, targets):
+        cfg, ops = self.cfg, self.ops
+        B, S = ids.shape
+        Hq, Hkv, D = cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
+        cos, sin = self.cos.to(self.embed.weight.dtype), self.sin.to(self.embed.weight.dtype)
+        residual = self.embed(ids)
+        x = ops.norm(residual, self.layers[0].attn_norm)
+        for i, layer in enumerate(self.layers):
+            q = layer.q(x).view(B, S, Hq, D).transpose(1, 2)
+            k = layer.k(x).view(B, S, Hkv, D).transpose(1, 2)
+            v = layer.v(x).view(B, S, Hkv, D).transpose(1, 2)
+            q, k = ops.rope(q, k, cos, sin)
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            a = layer.o(a.transpose(1, 2).reshape(B, S, Hq * D))
+            x, residual = ops.add_norm(a, residual, layer.mlp_norm)
+            m = layer.down(ops.swiglu(layer.gate(x), layer.up(x)))
+            nxt = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else self.final_norm
+            x, residual = ops.add_norm(m, residual, nxt)
+        return ops.loss(x.reshape(B * S, -1), self.lm_head.weight, targets.reshape(-1))
+
+
+def make_ops(variant):
+    if variant in ("eager", "compile"):
+        return EagerOps()
+    if variant in ("kernelgate", "kernelgate_compile"):
+        return KernelgateOps()
+    if variant == "liger":
+        return LigerOps()
+    raise SystemExit(f"--variants: unknown variant '{variant}' (eager, compile, liger, kernelgate, "
+                     "kernelgate_compile)")
+
+
+def served(cfg, dev, dt):
+    """Which backend serves each op of the kernelgate model at its shapes, in a training step."""
+    B, S, H = cfg["batch"], cfg["seq"], cfg["hidden"]
+    T = B * S
+
+    def t(*shape, grad=True):
+        return torch.empty(*shape, device=dev, dtype=dt, requires_grad=grad)
+
+    cos = torch.empty(1, S, cfg["head_dim"], device=dev, dtype=dt)
+    calls = {
+        "rms_norm": (t(B, S, H), t(H)),
+        "add_rms_norm": (t(B, S, H), t(B, S, H), t(H)),
+        "rope": (t(B, S, cfg["heads"], cfg["head_dim"]).transpose(1, 2),
+                 t(B, S, cfg["kv_heads"], cfg["head_dim"]).transpose(1, 2), cos, cos),
+        "swiglu": (t(T, cfg["mlp"]), t(T, cfg["mlp"])),
+        "linear_cross_entropy": (t(T, H), t(cfg["vocab"], H),
+                                 torch.zeros(T, dtype=torch.long, device=dev)),
+    }
+    out = {}
+    for op, args in calls.items():
+        e = kg.explain(op, *args)
+        out[op] = {"backend": e.backend, "reason": e.reason}
+    return out
+
+
+def run_variant(variant, cfg, state, ids, targets, dev, dt, warmup, steps):
+    torch.manual_seed(0)
+    model = Model(cfg, make_ops(variant)).to(dev, dt)
+    model.load_state_dict(state)
+    step_fn = model
+    if variant.endswith("compile"):
+        step_fn = torch.compile(model)
+    cuda = dev.startswith("cuda")
+
+    def step():
+        for p in model.parameters():
+            p.grad = None
+        loss = step_fn(ids, targets)
+        loss.backward()
+        return loss
+
+    t0 = time.perf_counter()
+    loss = step()  # the first step (compiles where it compiles)
+    if cuda:
+        torch.cuda.synchronize()
+    first_s = time.perf_counter() - t0
+    result = {"variant": variant, "first_step_s": first_s, "loss": float(loss.detach())}
+    grads = {n: p.grad.detach().float().cpu() for n, p in model.named_parameters()}
+    for _ in range(warmup):
+        step()
+    times = []
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    for _ in range(steps):
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            step()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            t0 = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - t0) * 1e3)
+    ms = statistics.median(times)
+    result.update(step_ms=ms, step_ms_min=min(times), step_ms_max=max(times),
+                  tokens_per_s=cfg["batch"] * cfg["seq"] / (ms / 1e3))
+    if cuda:
+        result.update(peak_gib=torch.cuda.max_memory_allocated() / 2**30,
+                      resident_before_step_gib=before / 2**30)
+    del model, step_fn
+    if cuda:
+        torch.cuda.empty_cache()
+    return result, grads
+
+
+def agreement(grads, ref):
+    """Largest relative error (Frobenius) of a parameter's gradient against eager's, and where."""
+    worst, where = 0.0, None
+    for n, g in ref.items():
+        err = float((grads[n] - g).norm() / g.norm().clamp_min(1e-30))
+        if not math.isfinite(err) or err > worst:
+            worst, where = err, n
+    return worst, where
+
+
+def ratios(rows):
+    base = {r["variant"]: r for r in rows if "step_ms" in r}
+    for r in rows:
+        if "step_ms" in r:
+            r["x_eager"] = base["eager"]["step_ms"] / r["step_ms"]
+            for peer in ("compile", "liger"):
+                if peer in base:
+                    r[f"x_{peer}"] = base[peer]["step_ms"] / r["step_ms"]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    # Compiling variants last: their first step compiles (a minute or more each on the H200).
+    ap.add_argument("--variants", default="eager,kernelgate,liger,compile,kernelgate_compile")
+    ap.add_argument("--tiny", action="store_true", help="a small model, to check the script")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None, help="default bfloat16 on CUDA, float32 on the CPU")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--evidence", action="append", default=[],
+                    help="use these stores as the shipped evidence instead of the package's "
+                         "(e.g. a sweep not yet shipped); default: as installed")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    cfg = TINY if args.tiny else FULL
+    dt = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
+    dev = args.device
+    variants = [v for v in args.variants.split(",") if v]
+    if "eager" not in variants:
+        variants.insert(0, "eager")  # the reference of agreement
+    if args.evidence:
+        # as installed, but with these stores in the package's place: no user store
+        _C.use_evidence(os.fsencode(os.path.join(tempfile.mkdtemp(), "user.sqlite")),
+                        [os.fsencode(p) for p in args.evidence])
+    env = environment("python " + " ".join(sys.argv))
+    torch.manual_seed(0)
+    state = {k: v.to(dev, dt) for k, v in Model(cfg, EagerOps()).state_dict().items()}
+    for k in state:  # a trained model's scales: small weights, unit norms
+        if state[k].dim() == 2:
+            state[k].mul_(0.02 / state[k].std().clamp_min(1e-6))
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=g).to(dev)
+    targets = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=g).to(dev)
+
+    rows, ref = [], None
+    for v in variants:
+        try:
+            r, grads = run_variant(v, cfg, state, ids, targets, dev, dt, args.warmup, args.steps)
+        except ImportError as e:
+            rows.append({"variant": v, "skipped": f"not importable: {e}"})
+            continue
+        except Exception as e:  # a variant that fails is a result, not the end of the run
+            if v == "eager":
+                raise
+            rows.append({"variant": v, "error": f"{type(e).__name__}: {e}"[:2000]})
+            print(v, "failed:", rows[-1]["error"][:300])
+            continue
+        if v == "eager":
+            ref, ref_loss = grads, r["loss"]
+        r["loss_minus_eager"] = r["loss"] - ref_loss
+        r["grad_rel_err_max"], r["grad_rel_err_param"] = agreement(grads, ref)
+        if v.startswith("kernelgate"):
+            r["served"] = served(cfg, dev, dt)
+        rows.append(r)
+        print(f"{v}: {r['step_ms']:.2f} ms/step, first step {r['first_step_s']:.1f} s, "
+              f"peak {r.get('peak_gib', float('nan')):.2f} GiB, loss - eager {r['loss_minus_eager']:+.2e}, "
+              f"grad rel err {r['grad_rel_err_max']:.2e}", flush=True)
+        ratios(rows)
+        if args.out:  # after every variant: a run cut short keeps what it measured
+            write_json(args.out, {**env, "model": cfg, "dtype": str(dt).replace("torch.", ""),
+                                  "warmup_steps": args.warmup, "timed_steps": args.steps,
+                                  "evidence": args.evidence or "as installed", "variants": rows})
+    print_table([r for r in rows if "step_ms" in r],
+                ["variant", "step_ms", "tokens_per_s", "x_eager", "peak_gib", "loss_minus_eager",
+                 "grad_rel_err_max"])
+    for r in rows:
+        if "served" in r:
+            print(r["variant"], {op: s["backend"] for op, s in r["served"].items()})
+        if "skipped" in r:
+            print(r["variant"], r["skipped"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
