@@ -211,7 +211,11 @@ AlignClass align_class(const CallView& call) {
     const at::Tensor* t = call.tensors[a];
     if (t == nullptr || !t->defined() || t->numel() == 0) continue;
     if (!t->is_contiguous()) return AlignClass::kStrided;
-    const auto addr = reinterpret_cast<uintptr_t>(t->const_data_ptr());
+    // A tensor being traced (torch.compile's fake and functional tensors) has no address: taken
+    // as aligned, as a fresh allocation is.
+    const bool traced = t->key_set().has(c10::DispatchKey::Python) || t->is_meta() ||
+                        !t->unsafeGetTensorImpl()->has_storage();
+    const auto addr = traced ? uintptr_t{0} : reinterpret_cast<uintptr_t>(t->const_data_ptr());
     const int64_t inner = t->dim() == 0 ? 1 : t->size(-1);
     if (addr % 16 != 0 || (inner * static_cast<int64_t>(t->element_size())) % 16 != 0) {
       worst = AlignClass::kContiguous;

@@ -381,29 +381,32 @@ void autograd_forward(const RoutedOp& op, const c10::OperatorHandle& handle, c10
       }
     }
   }
-  if (!need.any()) {
-    // Straight to the device router: no autograd node, no second key computation.
-    at::AutoDispatchBelowADInplaceOrView guard;
-    handle.redispatchBoxed(ks & c10::after_ADInplaceOrView_keyset, &s);
-    return;
-  }
-  // Only for real tensors: under tracing (torch.compile's fake tensors, symbolic shapes) the op
-  // stays one node, and routes when the graph runs.
   const auto tensors = inputs_of(op, args);
-  const bool traced = std::any_of(tensors.begin(), tensors.end(), [](const Tensor* t) {
-    return t != nullptr && (t->unsafeGetTensorImpl()->has_symbolic_sizes_strides() ||
-                            t->key_set().has(c10::DispatchKey::Python));
+  const bool symbolic = std::any_of(tensors.begin(), tensors.end(), [](const Tensor* t) {
+    return t != nullptr && t->unsafeGetTensorImpl()->has_symbolic_sizes_strides();
   });
-  if (op.eager_index >= 0 && !traced) {
-    // Where the eager backend serves, PyTorch's autograd records the plain PyTorch code itself:
-    // the call costs, and saves, what it would without kernelgate.
-    const CallView call = op.view_forward(args, true);
+  const bool traced = std::any_of(tensors.begin(), tensors.end(), [](const Tensor* t) {
+    return t != nullptr && t->key_set().has(c10::DispatchKey::Python);
+  });
+  // Where the eager backend serves, the op is the plain PyTorch code itself: for a call needing
+  // gradients, recorded by PyTorch's autograd (it costs, and saves, what it would without
+  // kernelgate); under torch.compile's tracing with concrete shapes, traced into the graph,
+  // where the compiler fuses it as it would the user's own code. With symbolic shapes the
+  // region is unknown: the op stays one node and routes when the graph runs.
+  if (op.eager_index >= 0 && !symbolic && (need.any() || traced)) {
+    const CallView call = op.view_forward(args, need.any());
     const BoundDims dims = check_call(op.contract(), call);
     if (Dispatcher::get().select(op.id, call, dims) == op.eager_index) {
       if (op.check) op.check(s, need);
       op.eager(s);
       return;
     }
+  }
+  if (!need.any()) {
+    // Straight to the device router: no autograd node, no second key computation.
+    at::AutoDispatchBelowADInplaceOrView guard;
+    handle.redispatchBoxed(ks & c10::after_ADInplaceOrView_keyset, &s);
+    return;
   }
   std::vector<Tensor> inputs(op.tensor_pos.size());
   for (size_t i = 0; i < op.tensor_pos.size(); ++i) {

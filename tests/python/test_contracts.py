@@ -692,3 +692,47 @@ def test_without_evidence_the_eager_backend_serves_through_pytorchs_autograd(op,
             assert kg.explain(op, *args).backend != "eager"
     finally:
         kg.evidence.install()
+
+
+@pytest.mark.parametrize("op", [o for o in OPS if any(b["kind"] == "eager" for b in INFO[o]["backends"])])
+def test_without_evidence_torch_compile_traces_the_plain_pytorch_code(op, tmp_path):
+    """Inside torch.compile, where no evidence ranks a backend, the graph holds the eager
+    backend's plain PyTorch code (which the compiler fuses as it would the user's own), not the
+    op's routed forward and backward; forward and gradients as the eager call's. Forced to
+    another backend, the op stays one node and routes when the graph runs."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def compiled_targets(fn, *args):
+        graphs = []
+
+        def capture(gm, example_inputs):
+            graphs.append(gm)
+            return make_boxed_func(gm)
+
+        torch._dynamo.reset()
+        out = torch.compile(fn, backend=aot_autograd(fw_compiler=capture, bw_compiler=capture),
+                            fullgraph=True)(*args)
+        return out, {str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"}
+
+    try:
+        _C.use_evidence(str(tmp_path / "none.sqlite"), [])
+        (cid, enc), = [c for c in cases(op, regime="normal", layout="contiguous", optional="1", strings="",
+                                        grad="1") if fields(c[1])["dims"] == mid_dims(op)]
+        args, leaves = call_args(enc, "cpu")
+        block = compiled_block(op, args)
+        got, targets = compiled_targets(block, *args)
+        assert targets and not any("kernelgate" in t for t in targets), (cid, sorted(targets))
+        eager = block(*args)
+        cots = cotangents(eager)
+        for i, (g, e) in enumerate(zip(as_list(got), as_list(eager), strict=True)):
+            torch.testing.assert_close(g, e, msg=lambda m: f"{cid}, output {i}: {m}")
+        for i, (g, e) in enumerate(zip(grads(as_list(got), leaves, cots), grads(as_list(eager), leaves, cots),
+                                       strict=True)):
+            torch.testing.assert_close(g, e, msg=lambda m: f"{cid}, gradient {i}: {m}")
+        with kg.use(force={op: "reference"}):
+            _, targets = compiled_targets(block, *args)
+        assert any("kernelgate" in t for t in targets), (cid, sorted(targets))
+    finally:
+        torch._dynamo.reset()
+        kg.evidence.install()
