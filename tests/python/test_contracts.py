@@ -56,7 +56,24 @@ def _hidden_1(f):
     return "hidden=1," in f["dims"] + ","
 
 
+def _dim(f, name):
+    return int(dict(kv.split("=") for kv in f["dims"].split(",") if kv)[name])
+
+
+# float16 linear_cross_entropy on 'large' values (x300) with hidden >= 4095: the float16 logits
+# overflow (65504), in every backend, the reference included; the float64 oracle stays finite.
+# The GPU grids hold such cases since a case's size is its largest tensor's (2026-12-01); the
+# H200 sweep of that day found them (bench/results/h200/README.md). The fix is the harness's:
+# a 'large' scale that keeps a float16 reduction of that length finite.
+_LCE_F16_OVERFLOW = (
+    lambda f: ON_GPU and f["dtype"] == "float16" and f["regime"] == "large" and _dim(f, "hidden") >= 4095,
+    "float16 logits of 'large' inputs overflow at hidden >= 4095 in every backend, the reference "
+    "included (the harness's float16 'large' scale is to be made finite for such reductions)")
+
 KNOWN_INCORRECT = {
+    ("linear_cross_entropy", "reference"): _LCE_F16_OVERFLOW,
+    ("linear_cross_entropy", "kernelgate_cuda"): _LCE_F16_OVERFLOW,
+    ("linear_cross_entropy", "kernelgate_cuda_narrow_accum"): _LCE_F16_OVERFLOW,
     ("layer_norm", "aten"): (
         lambda f: (not ON_GPU and _hidden_1(f) and f["regime"] == "large" and f["dtype"] != "float32")
         or (ON_GPU and f["dtype"] == "float32" and f["regime"] == "offset" and f["grad"] == "1"),
