@@ -198,7 +198,7 @@ def _rerank_op(args, op: str, lenders: List[str]) -> dict:
         if not only:
             break
         r = _sweep_op(args, op, grid, True, only)
-        for k in ("planned", "worker_restarts", "seconds"):
+        for k in ("planned", "skipped", "worker_restarts", "seconds"):
             total[k] += r[k]
         for k, v in r["dispositions"].items():
             total["dispositions"][k] = total["dispositions"].get(k, 0) + v
@@ -253,6 +253,10 @@ def cmd_rerank(args) -> int:
     build) shows correct: the runs its lender timed, each validated again here (docs/evidence.md,
     "Across GPUs of one architecture"). The other runs' verdicts stay borrowed."""
     _load_plugins(args.load)
+    for p in args.lender:
+        if not os.path.isfile(p):
+            raise SystemExit(f"kernelgate rerank: --lender: expected an evidence store file, got '{p}' "
+                             "(no such file)")
     shipped = args.lender or kg.evidence.shipped_paths()
     plans = {op: _C.rerank_plan(op, _db(args), shipped) for op in _ops_for(args.op)}
     if not any(plans.values()):

@@ -123,6 +123,11 @@ def test_rerank_times_what_borrowed_evidence_shows_correct(lender, tmp_path, cap
         kg.evidence.install()
 
 
+def test_rerank_names_a_missing_lender():
+    with pytest.raises(SystemExit, match="--lender: expected an evidence store file, got '/no/such.sqlite'"):
+        cli.main(["rerank", "--lender", "/no/such.sqlite"])
+
+
 def test_no_borrowing_across_architectures_or_builds(lender, tmp_path):
     here, _ = lender
     for i, change in enumerate([{"gpu_name": FOREIGN, "compute_capability": "9.0"},
