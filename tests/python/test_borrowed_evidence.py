@@ -4,7 +4,8 @@ transfer, its timings do not — and `kernelgate rerank` times here what it show
 the CPU with a foreign fingerprint: another device name and core count, everything else this
 build's."""
 
-import json
+import importlib.util
+import os
 import sqlite3
 
 import pytest
@@ -13,28 +14,18 @@ import torch
 import kernelgate as kg
 from kernelgate import _C, cli
 
-from test_evidence import plugin_path, run, sweep_args
+from test_evidence import REPO, plugin_path, run, sweep_args
 
 FOREIGN = "Foreign CPU 9000"
 
 
 def _as_foreign(src, dst, tmp_path, **change):
-    """The store `src` as if measured on another device: its fingerprints' fields changed."""
-    path = str(tmp_path / "export.json")
-    assert cli.main(["db", "export", path, "--db", src]) == 0
-    with open(path) as f:
-        doc = json.load(f)
-    ids = {}
-    for fp in doc["fingerprints"]:
-        fp.update(change)
-        new = _C.fingerprint_id(fp)
-        ids[fp["id"]], fp["id"] = new, new
-    for row in doc["runs"] + doc["results"]:
-        if "fingerprint_id" in row:
-            row["fingerprint_id"] = ids[row["fingerprint_id"]]
-    with open(path, "w") as f:
-        json.dump(doc, f)
-    assert cli.main(["db", "import", path, "--db", dst]) == 0
+    """The store `src` as if measured on another device (scripts/rerank_check.py's rewrite)."""
+    spec = importlib.util.spec_from_file_location(
+        "rerank_check", os.path.join(REPO, "scripts", "rerank_check.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.as_foreign(src, dst, str(tmp_path), **change)
 
 
 @pytest.fixture(scope="module")
