@@ -381,25 +381,30 @@ void autograd_forward(const RoutedOp& op, const c10::OperatorHandle& handle, c10
       }
     }
   }
-  const auto tensors = inputs_of(op, args);
-  const bool symbolic = std::any_of(tensors.begin(), tensors.end(), [](const Tensor* t) {
-    return t != nullptr && t->unsafeGetTensorImpl()->has_symbolic_sizes_strides();
-  });
-  const bool traced = std::any_of(tensors.begin(), tensors.end(), [](const Tensor* t) {
-    return t != nullptr && t->key_set().has(c10::DispatchKey::Python);
-  });
   // Where the eager backend serves, the op is the plain PyTorch code itself: for a call needing
   // gradients, recorded by PyTorch's autograd (it costs, and saves, what it would without
   // kernelgate); under torch.compile's tracing with concrete shapes, traced into the graph,
   // where the compiler fuses it as it would the user's own code. With symbolic shapes the
-  // region is unknown: the op stays one node and routes when the graph runs.
-  if (op.eager_index >= 0 && !symbolic && (need.any() || traced)) {
-    const CallView call = op.view_forward(args, need.any());
-    const BoundDims dims = check_call(op.contract(), call);
-    if (Dispatcher::get().select(op.id, call, dims) == op.eager_index) {
-      if (op.check) op.check(s, need);
-      op.eager(s);
-      return;
+  // region is unknown: the op stays one node and routes when the graph runs. (An op without an
+  // eager backend, and a real call needing no gradient, go straight on.)
+  if (op.eager_index >= 0) {
+    const auto tensors = inputs_of(op, args);
+    auto any = [&](auto&& pred) {
+      return std::any_of(tensors.begin(), tensors.end(),
+                         [&](const Tensor* t) { return t != nullptr && pred(*t); });
+    };
+    const bool traced =
+        any([](const Tensor& t) { return t.key_set().has(c10::DispatchKey::Python); });
+    if ((need.any() || traced) && !any([](const Tensor& t) {
+          return t.unsafeGetTensorImpl()->has_symbolic_sizes_strides();
+        })) {
+      const CallView call = op.view_forward(args, need.any());
+      const BoundDims dims = check_call(op.contract(), call);
+      if (Dispatcher::get().select(op.id, call, dims) == op.eager_index) {
+        if (op.check) op.check(s, need);
+        op.eager(s);
+        return;
+      }
     }
   }
   if (!need.any()) {
