@@ -189,12 +189,11 @@ def _sweep_op(args, op: str, grid: str, time: bool, only=()) -> dict:
                     _progress(not args.json), list(only))
 
 
-def _rerank_op(args, op: str, lenders: List[str]) -> dict:
-    """The lender's runs may come from any grid: each grid in turn runs those of them it holds
-    (a run already stored is skipped), until none is left."""
+def _rerank_op(args, op: str, lenders: List[str], only) -> dict:
+    """The lender's runs (`only`, the op's rerank plan) may come from any grid: each grid in turn
+    runs those of them it holds, until none is left."""
     total = {"planned": 0, "skipped": 0, "dispositions": {}, "worker_restarts": 0, "seconds": 0.0}
     for grid in ("full", "quick", "smoke"):
-        only = _C.rerank_plan(op, _db(args), lenders)
         if not only:
             break
         r = _sweep_op(args, op, grid, True, only)
@@ -203,22 +202,24 @@ def _rerank_op(args, op: str, lenders: List[str]) -> dict:
         for k, v in r["dispositions"].items():
             total["dispositions"][k] = total["dispositions"].get(k, 0) + v
         total["fingerprint_id"] = r["fingerprint_id"]
-    total["not_found"] = len(_C.rerank_plan(op, _db(args), lenders))  # cases no grid makes here
+        only = _C.rerank_plan(op, _db(args), lenders)  # what this grid did not hold
+    total["not_found"] = len(only)  # runs no grid makes here
     return total
 
 
-def _run_sweep(args, time: bool, lenders=None) -> int:
-    """lenders: rerank what their evidence shows correct, else run every run of the grid."""
+def _run_sweep(args, time: bool, rerank=None) -> int:
+    """rerank: (lenders, op -> its rerank plan) to time what borrowed evidence shows correct;
+    else every run of the grid."""
     grid = "quick" if getattr(args, "quick", False) else getattr(args, "grid", "quick")
-    if lenders is None:
+    if rerank is None:
         _load_plugins(args.load)
     reports = {}
     for op in _ops_for(args.op):
-        if lenders is not None and not _C.rerank_plan(op, _db(args), lenders):
+        if rerank is not None and not rerank[1][op]:
             continue  # nothing borrowed to time for this op
         try:
-            reports[op] = (_sweep_op(args, op, grid, time) if lenders is None
-                           else _rerank_op(args, op, lenders))
+            reports[op] = (_sweep_op(args, op, grid, time) if rerank is None
+                           else _rerank_op(args, op, rerank[0], rerank[1][op]))
         except (RuntimeError, ValueError) as exc:
             if args.op == "all" and str(exc).startswith("cannot sweep"):
                 reports[op] = {"not_swept": str(exc)}  # the other ops still run
@@ -267,7 +268,7 @@ def cmd_rerank(args) -> int:
     args.seeds, args.shard, args.backend, args.dtype = 1, (0, 1), [], []
     if not args.json:
         print("rerank: " + ", ".join(f"{op} {len(p)} runs" for op, p in plans.items() if p))
-    rc = _run_sweep(args, time=True, lenders=shipped)
+    rc = _run_sweep(args, time=True, rerank=(shipped, plans))
     kg.evidence.install()  # this process's policy reads the new rows
     return rc
 
