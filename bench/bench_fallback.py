@@ -16,17 +16,7 @@ import torch.nn.functional as F
 
 import kernelgate as kg
 from kernelgate import _C
-from common import environment, print_table, time_ms, write_json
-
-
-def rotate_half(x):
-    h = x.shape[-1] // 2
-    return torch.cat([-x[..., h:], x[..., :h]], -1)
-
-
-def plain_rope(q, k, cos, sin):
-    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
-    return q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
+from common import environment, plain_rope, print_table, time_ms, write_json
 
 
 def cases(dev, dt):

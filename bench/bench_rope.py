@@ -20,23 +20,14 @@ import sys
 import torch
 
 import kernelgate as kg
-from common import copy_bandwidth_gbps, environment, measure_fwd_bwd, print_table, write_json
-
-
-def rotate_half(x):
-    h = x.shape[-1] // 2
-    return torch.cat([-x[..., h:], x[..., :h]], dim=-1)
+from common import (copy_bandwidth_gbps, environment, measure_fwd_bwd, plain_rope, print_table, rotate_half,
+                    write_json)
 
 
 def rope_reference(q, k, cos, sin):
     c, s = cos.float().unsqueeze(1), sin.float().unsqueeze(1)
     qf, kf = q.float(), k.float()
     return (qf * c + rotate_half(qf) * s).to(q.dtype), (kf * c + rotate_half(kf) * s).to(k.dtype)
-
-
-def rope_hf(q, k, cos, sin):
-    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
-    return q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
 
 
 def head_rms_norm(x, w, eps):
@@ -52,7 +43,7 @@ def norm_reference(q, k, qw, kw, cos, sin, eps=1e-6):
 
 def norm_hf(q, k, qw, kw, cos, sin, eps=1e-6):
     # Qwen3: RMSNorm on each head (float32 inside, output in the input dtype), then rope.
-    return rope_hf(head_rms_norm(q, qw, eps).to(q.dtype), head_rms_norm(k, kw, eps).to(k.dtype), cos, sin)
+    return plain_rope(head_rms_norm(q, qw, eps).to(q.dtype), head_rms_norm(k, kw, eps).to(k.dtype), cos, sin)
 
 
 def liger_variants():
@@ -121,7 +112,7 @@ def main() -> int:
         kg.policy.add_rule(op, ["kernelgate_cuda"], evidence="benchmark: kernelgate_cuda under test")
         if op == "rope":
             variants = {"kernelgate": kg.rope, "eager_reference": rope_reference,
-                        "torch_compile": torch.compile(rope_reference), "eager_hf": rope_hf}
+                        "torch_compile": torch.compile(rope_reference), "eager_hf": plain_rope}
         else:
             variants = {"kernelgate": kg.qk_norm_rope, "eager_reference": norm_reference,
                         "torch_compile": torch.compile(norm_reference), "eager_hf": norm_hf}

@@ -35,17 +35,12 @@ import torch.nn.functional as F
 
 import kernelgate as kg
 from kernelgate import _C
-from common import environment, print_table, write_json
+from common import environment, plain_rope, print_table, write_json
 
 FULL = dict(layers=8, hidden=2048, heads=16, kv_heads=4, head_dim=128, mlp=5632, vocab=128256,
             batch=4, seq=2048)
 TINY = dict(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, mlp=96, vocab=200, batch=2, seq=16)
 EPS = 1e-6
-
-
-def rotate_half(x):
-    h = x.shape[-1] // 2
-    return torch.cat([-x[..., h:], x[..., :h]], -1)
 
 
 class EagerOps:
@@ -61,8 +56,7 @@ class EagerOps:
         return self.norm(h, w), h
 
     def rope(self, q, k, cos, sin):
-        c, s = cos.unsqueeze(1), sin.unsqueeze(1)
-        return q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
+        return plain_rope(q, k, cos, sin)
 
     def swiglu(self, g, u):
         return F.silu(g) * u

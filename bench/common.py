@@ -84,6 +84,17 @@ def measure_fwd_bwd(f, inputs, dy, fwd_bytes: int, bwd_bytes: int, copy_bw: floa
     }
 
 
+def rotate_half(x):
+    h = x.shape[-1] // 2
+    return torch.cat([-x[..., h:], x[..., :h]], -1)
+
+
+def plain_rope(q, k, cos, sin):
+    """The Llama / Hugging Face rope as model code writes it: cos, sin [batch or 1, seq, dim]."""
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
+
+
 def environment(command: str) -> Dict[str, object]:
     if not torch.cuda.is_available():  # a check of a script on the CPU: no GPU to describe
         return {"gpu": None, "torch": torch.__version__, "python": sys.version.split()[0],
