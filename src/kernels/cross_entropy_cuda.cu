@@ -81,10 +81,10 @@ struct Stats {
   float sx;  // sum of x
 };
 
-// s carries NaN: any NaN logit makes it NaN. What exponents are taken against for a running max m: m itself, except that once a +inf has
-// been seen (m = +inf) finite values count exp(x - FLT_MAX) = 0 and each +inf exp(+inf) = +inf,
-// so s = +inf and lse = +inf (the loss of a +inf logit away from the target), where x - m would
-// make everything NaN.
+// s carries NaN: any NaN logit makes it NaN. What exponents are taken against for a running max
+// m: m itself, except that once a +inf has been seen (m = +inf) finite values count
+// exp(x - FLT_MAX) = 0 and each +inf exp(+inf) = +inf, so s = +inf and lse = +inf (the loss of a
+// +inf logit away from the target), where x - m would make everything NaN.
 __device__ __forceinline__ float exp_base(float m) { return m == INFINITY ? FLT_MAX : m; }
 
 __device__ __forceinline__ Stats combine(const Stats& a, const Stats& b) {
