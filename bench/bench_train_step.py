@@ -191,7 +191,26 @@ def served(cfg, dev, dt):
     return out
 
 
-def run_variant(variant, cfg, state, ids, targets, dev, dt, warmup, steps):
+def profile_top(step, n=25):
+    """The kernels of two steps by device time (torch.profiler), largest first: where a step's
+    time goes, for a variant that misses its target."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            step()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None)
+        if us is None:
+            us = e.cuda_time_total
+        if us > 0:
+            rows.append({"kernel": e.key[:160], "ms_per_step": us / 2e3, "calls_per_step": e.count / 2})
+    rows.sort(key=lambda r: -r["ms_per_step"])
+    return rows[:n]
+
+
+def run_variant(variant, cfg, state, ids, targets, dev, dt, warmup, steps, profile=False):
     torch.manual_seed(0)
     model = Model(cfg, make_ops(variant)).to(dev, dt)
     model.load_state_dict(state)
@@ -239,6 +258,8 @@ def run_variant(variant, cfg, state, ids, targets, dev, dt, warmup, steps):
     if cuda:
         result.update(peak_gib=torch.cuda.max_memory_allocated() / 2**30,
                       resident_before_step_gib=before / 2**30)
+        if profile:
+            result["profile_top_kernels"] = profile_top(step)
     del model, step_fn
     if cuda:
         torch.cuda.empty_cache()
@@ -277,6 +298,9 @@ def main() -> int:
     ap.add_argument("--evidence", action="append", default=[],
                     help="use these stores as the shipped evidence instead of the package's "
                          "(e.g. a sweep not yet shipped); default: as installed")
+    ap.add_argument("--profile", default="",
+                    help="comma-separated variants whose kernels are profiled over two extra steps "
+                         "(CUDA only): the top kernels by device time go into the JSON")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cfg = TINY if args.tiny else FULL
@@ -302,7 +326,8 @@ def main() -> int:
     rows, ref = [], None
     for v in variants:
         try:
-            r, grads = run_variant(v, cfg, state, ids, targets, dev, dt, args.warmup, args.steps)
+            r, grads = run_variant(v, cfg, state, ids, targets, dev, dt, args.warmup, args.steps,
+                                   profile=dev.startswith("cuda") and v in args.profile.split(","))
         except ImportError as e:
             rows.append({"variant": v, "skipped": f"not importable: {e}"})
             continue

@@ -114,6 +114,14 @@ struct OpContract {
   // the value's index is the call's variant (CallView::variant).
   std::vector<std::pair<std::string, std::vector<std::string>>> variant_args;
   std::vector<std::map<std::string, int64_t>> production_shapes;
+  // Harness: how production calls pass their tensors. The production shapes are swept in each
+  // layout named here (rope: also "transposed", the [batch, seq, heads, head_dim] storage that
+  // attention code's q.view(...).transpose(1, 2) gives) and with the optional tensor arguments
+  // present, absent, or both (linear_cross_entropy: absent, as an lm_head has no bias). Other
+  // layouts and optionals are swept on a mid-size shape only, whose region no production call
+  // reaches.
+  std::vector<std::string> production_layouts = {"contiguous"};
+  std::vector<bool> production_optionals = {true};
   // Harness: named dims whose sizes must be a multiple of a number (rope's head_dim: 2); the
   // cases round their sizes up to it.
   std::map<std::string, int64_t> dim_multiples;

@@ -284,8 +284,9 @@ class OpDeclaration {
   OpDeclaration& meta_boxed(BoxedArgsFn fn);
   OpDeclaration& check_boxed(BoxedArgsFn fn);
   // An op whose backward is not one routed call gives its own Autograd kernel, and any helper
-  // ops it calls, registered through `lib`; the generic autograd is not used. Only
-  // linear_cross_entropy does (its gradients come from the forward).
+  // ops it calls, registered through `lib`; the generic autograd is not used (its kernel calls
+  // serve_eager() for an eager backend). Only linear_cross_entropy does (its gradients come from
+  // the forward).
   OpDeclaration& custom_autograd(std::function<void(torch::Library& lib)> register_autograd);
 
   // Registers the op and its backends with the dispatcher and PyTorch; returns its id. Throws
@@ -298,6 +299,12 @@ class OpDeclaration {
   std::vector<op_detail::Shape> shapes_;
   std::unique_ptr<State> state_;
 };
+
+// For an op with custom_autograd(), whose Autograd kernel is its own: where the op's eager
+// backend serves the call whose arguments `s` holds (the generic autograd's rule: a call needing
+// gradients or traced by torch.compile, in a region where routing picks eager), runs it and
+// returns true, the stack then holding the outputs; otherwise returns false, `s` untouched.
+bool serve_eager(OpId op, torch::jit::Stack& s);
 
 // Adds a backend of typed functions to an installed op (plugins, tests), checking them against
 // its schemas like install() does. Returns the backend's local index.

@@ -93,6 +93,7 @@ struct RoutedOp {
   // The op as plain PyTorch code (OpDeclaration::eager) and its backend's local index, or -1.
   std::function<void(Stack&)> eager;
   int eager_index = -1;
+  bool custom_autograd = false;  // OpDeclaration::custom_autograd: the op's own Autograd kernel
   c10::OperatorHandle* fwd = nullptr;
   c10::OperatorHandle* bwd = nullptr;
   c10::OperatorHandle* ref = nullptr;
@@ -368,9 +369,7 @@ std::array<const Tensor*, kMaxTensorArgs> inputs_of(const RoutedOp& op, const IV
   return out;
 }
 
-void autograd_forward(const RoutedOp& op, const c10::OperatorHandle& handle, c10::DispatchKeySet ks,
-                      Stack& s) {
-  const IValue* args = s.data() + (s.size() - op.nargs);
+GradRequest grad_request(const RoutedOp& op, const IValue* args) {
   GradRequest need;
   if (at::GradMode::is_enabled()) {
     for (size_t k = 0; k < op.grad_args.size(); ++k) {
@@ -381,32 +380,51 @@ void autograd_forward(const RoutedOp& op, const c10::OperatorHandle& handle, c10
       }
     }
   }
-  // Where the eager backend serves, the op is the plain PyTorch code itself: for a call needing
-  // gradients, recorded by PyTorch's autograd (it costs, and saves, what it would without
-  // kernelgate); under torch.compile's tracing with concrete shapes, traced into the graph,
-  // where the compiler fuses it as it would the user's own code. With symbolic shapes the
-  // region is unknown: the op stays one node and routes when the graph runs. (An op without an
-  // eager backend, and a real call needing no gradient, go straight on.)
-  if (op.eager_index >= 0) {
-    const auto tensors = inputs_of(op, args);
-    auto any = [&](auto&& pred) {
-      return std::any_of(tensors.begin(), tensors.end(),
-                         [&](const Tensor* t) { return t != nullptr && pred(*t); });
-    };
-    const bool traced =
-        any([](const Tensor& t) { return t.key_set().has(c10::DispatchKey::Python); });
-    if ((need.any() || traced) && !any([](const Tensor& t) {
-          return t.unsafeGetTensorImpl()->has_symbolic_sizes_strides();
-        })) {
-      const CallView call = op.view_forward(args, need.any());
-      const BoundDims dims = check_call(op.contract(), call);
-      if (Dispatcher::get().select(op.id, call, dims) == op.eager_index) {
-        if (op.check) op.check(s, need);
-        op.eager(s);
-        return;
-      }
-    }
+  return need;
+}
+
+// Where the eager backend serves, the op is the plain PyTorch code itself: for a call needing
+// gradients, recorded by PyTorch's autograd (it costs, and saves, what it would without
+// kernelgate); under torch.compile's tracing with concrete shapes, traced into the graph,
+// where the compiler fuses it as it would the user's own code. With symbolic shapes the
+// region is unknown: the op stays one node and routes when the graph runs. (An op without an
+// eager backend, and a real call needing no gradient, go on to the router.) Runs it on s and
+// returns true where it serves.
+bool serve_eager(const RoutedOp& op, Stack& s, GradRequest need) {
+  if (op.eager_index < 0) return false;
+  const IValue* args = s.data() + (s.size() - op.nargs);
+  const auto tensors = inputs_of(op, args);
+  auto any = [&](auto&& pred) {
+    return std::any_of(tensors.begin(), tensors.end(),
+                       [&](const Tensor* t) { return t != nullptr && pred(*t); });
+  };
+  const bool traced =
+      any([](const Tensor& t) { return t.key_set().has(c10::DispatchKey::Python); });
+  if (!(need.any() || traced) ||
+      any([](const Tensor& t) { return t.unsafeGetTensorImpl()->has_symbolic_sizes_strides(); })) {
+    return false;
   }
+  const CallView call = op.view_forward(args, need.any());
+  const BoundDims dims = check_call(op.contract(), call);
+  if (Dispatcher::get().select(op.id, call, dims) != op.eager_index) return false;
+  if (op.check) op.check(s, need);
+  op.eager(s);
+  return true;
+}
+
+// Installed ops by id, for serve_eager(OpId, ...). Written while ops install (library load),
+// read afterwards.
+std::mutex g_routed_mu;
+std::vector<const RoutedOp*>& routed_ops() {
+  static std::vector<const RoutedOp*> ops;
+  return ops;
+}
+
+void autograd_forward(const RoutedOp& op, const c10::OperatorHandle& handle, c10::DispatchKeySet ks,
+                      Stack& s) {
+  const IValue* args = s.data() + (s.size() - op.nargs);
+  const GradRequest need = grad_request(op, args);
+  if (serve_eager(op, s, need)) return;
   if (!need.any()) {
     // Straight to the device router: no autograd node, no second key computation.
     at::AutoDispatchBelowADInplaceOrView guard;
@@ -552,7 +570,9 @@ class EagerBackend final : public BackendImpl {
   explicit EagerBackend(const RoutedOp* op) : op_(op) {}
 
   void forward(Stack& s, GradRequest need) const override {
-    if (need.any()) return op_->entry->backends[0].impl->forward(s, need);
+    // A training forward (and any forward of an op with its own autograd, which may read the
+    // extras without gradients: linear_cross_entropy's lse) is the reference's.
+    if (need.any() || op_->custom_autograd) return op_->entry->backends[0].impl->forward(s, need);
     op_->eager(s);
     for (int j = 0; j < op_->n_extra; ++j) s.emplace_back(Tensor());
   }
@@ -725,6 +745,16 @@ OpDeclaration& OpDeclaration::meta_boxed(BoxedArgsFn fn) {
 OpDeclaration& OpDeclaration::check_boxed(BoxedArgsFn fn) {
   state_->check = std::move(fn);
   return *this;
+}
+
+bool serve_eager(OpId id, Stack& s) {
+  const RoutedOp* op = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(g_routed_mu);
+    if (id < routed_ops().size()) op = routed_ops()[id];
+  }
+  TORCH_CHECK(op != nullptr, "serve_eager: no installed op has id ", id);
+  return serve_eager(*op, s, grad_request(*op, s.data() + (s.size() - op->nargs)));
 }
 
 OpDeclaration& OpDeclaration::custom_autograd(std::function<void(torch::Library&)> reg) {
@@ -918,7 +948,6 @@ OpId OpDeclaration::install() {
               ": its first backend must be the reference");
 
   if (st.eager) {
-    TORCH_CHECK(!st.custom_autograd, "op ", c.name, ": eager() needs the generic autograd");
     // Outputs dense, as the Meta impls promise (most ATen ops keep a strided input's strides).
     op->eager = [fn = std::move(st.eager), n = static_cast<size_t>(op->n_out)](Stack& s) {
       fn(s);
@@ -934,6 +963,12 @@ OpId OpDeclaration::install() {
   op->check = std::move(st.check);
   Dispatcher& d = Dispatcher::get();
   op->id = d.add_op(c);
+  {
+    std::lock_guard<std::mutex> lock(g_routed_mu);
+    auto& ops = routed_ops();
+    if (ops.size() <= op->id) ops.resize(op->id + 1, nullptr);
+    ops[op->id] = op;
+  }
   op->entry = &d.op(op->id);
   for (auto& b : st.backends) d.add_backend(op->id, std::move(b));
   if (op->eager) op->eager_index = static_cast<int>(op->entry->backends.size()) - 1;
@@ -961,6 +996,7 @@ OpId OpDeclaration::install() {
   lib->impl(bwd_name.c_str(),
             torch::dispatch(c10::DispatchKey::Meta, boxed<MetaKernel>(op, Which::kBwd)));
   if (st.custom_autograd) {
+    op->custom_autograd = true;
     st.custom_autograd(*lib);
   } else {
     lib->impl(c.name.c_str(),

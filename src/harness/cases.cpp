@@ -265,6 +265,14 @@ std::vector<Case> make_cases(const std::string& op, Grid grid,
   const OpEntry* e = Dispatcher::get().find_op(op);
   TORCH_CHECK(e != nullptr, "unknown op '", op, "'");
   const OpContract& c = e->contract;
+  for (const auto& layout : c.production_layouts) {
+    TORCH_CHECK(layout == "contiguous" || layout == "row_strided" || layout == "offset" ||
+                    layout == "transposed" || layout == "expanded",
+                "op ", op, ": production_layouts names no layout '", layout,
+                "' (contiguous, row_strided, offset, transposed, expanded)");
+  }
+  TORCH_CHECK(!c.production_layouts.empty() && !c.production_optionals.empty(), "op ", op,
+              ": production_layouts and production_optionals need at least one entry each");
   const bool full = grid == Grid::kFull;
   std::vector<std::string> dtypes = dtypes_in;
   if (dtypes.empty()) {
@@ -371,16 +379,37 @@ std::vector<Case> make_cases(const std::string& op, Grid grid,
       }
     }
   };
+  // Production shapes in each layout and optional-argument form the contract says production
+  // calls take; the other shapes contiguous, with the optionals.
+  std::set<std::string> production_keys;
+  for (size_t i = 0; i < prod.size(); ++i) {
+    auto d = fit(prod[i]);
+    std::string key;
+    for (const auto& [k, v] : d) key += k + std::to_string(v) + ",";
+    production_keys.insert(key);
+  }
   for (const auto& dt : dtypes) {
     for (const auto& d : shapes) {
-      for (bool grad : {true, false}) {
-        Case k;
-        k.op = op;
-        k.dims = d;
-        k.dtype = dt;
-        k.grad = grad;
-        k.scalars = default_scalars;
-        emit(k);
+      std::string key;
+      for (const auto& [k, v] : d) key += k + std::to_string(v) + ",";
+      const bool production = production_keys.count(key) > 0 && grid != Grid::kSmoke;
+      const std::vector<std::string> layouts =
+          production ? c.production_layouts : std::vector<std::string>{"contiguous"};
+      const std::vector<bool> optionals = production ? c.production_optionals : std::vector<bool>{true};
+      for (const auto& layout : layouts) {
+        for (bool with_optional : optionals) {
+          for (bool grad : {true, false}) {
+            Case k;
+            k.op = op;
+            k.dims = d;
+            k.dtype = dt;
+            k.grad = grad;
+            k.layout = layout;
+            k.with_optional = with_optional;
+            k.scalars = default_scalars;
+            emit(k);
+          }
+        }
       }
     }
     // Layouts, value regimes, scalar values and absent optionals on one mid-size shape.

@@ -20,7 +20,7 @@ std::string encode_fields(const std::vector<std::pair<std::string, std::string>>
 bool decode_fields(const std::string& text, std::map<std::string, std::string>* out,
                    std::string* problem);
 
-// One case: sizes of the op's named dims, a dtype, a layout of the first tensor argument, a value
+// One case: sizes of the op's named dims, a dtype, a layout (validate.cpp's make_inputs), a value
 // regime, a seed (fresh inputs per seed), scalar values and grad mode. Encoded as one line
 // (encode/decode) to cross the worker pipe.
 struct Case {

@@ -207,11 +207,17 @@ Tensor values(std::vector<int64_t> shape, const std::string& regime, uint64_t se
   return v;
 }
 
-// Builds the leaves at dtype on `device` (layout applied to the first tensor argument) and,
-// from the same rounded values, the float64 leaves for the oracle.
+// Builds the leaves at dtype on `device` and, from the same rounded values, the float64 leaves
+// for the oracle. The case's layout applies to the first tensor argument where it is a matrix,
+// and where it has three or more dims to every tensor argument of its rank (rope's q and k):
+//   row_strided  the last dim padded by 5 in the leaf;   offset      one element into the leaf;
+//   expanded     the first dim broadcast from size 1;
+//   transposed   a matrix stored transposed; with more dims, dims -3 and -2 swapped in the
+//                leaf (attention's [batch, seq, heads, head_dim] storage of [batch, heads, ...]).
 std::pair<Inputs, Inputs> make_inputs(const OpContract& c, const Case& k, at::Device device,
                                       at::ScalarType dtype, bool with_values = true) {
   Inputs in, oracle;
+  size_t first_rank = 0;
   for (size_t a = 0; a < c.tensor_args.size(); ++a) {
     const TensorArgSpec& spec = c.tensor_args[a];
     if (spec.optional && !k.with_optional) {
@@ -223,12 +229,19 @@ std::pair<Inputs, Inputs> make_inputs(const OpContract& c, const Case& k, at::De
     }
     std::vector<int64_t> full = shape_of(spec, c, k);
     const uint64_t seed = static_cast<uint64_t>(k.seed) * 1000003ull + a * 7919ull + 17;
-    std::string layout = a == 0 && full.size() == 2 ? k.layout : "contiguous";
+    if (a == 0) first_rank = full.size();
+    const bool laid_out = full.size() == 2 ? a == 0 : full.size() >= 3 && full.size() == first_rank;
+    const std::string layout = laid_out && spec.dtype_class != DTypeClass::kIndex ? k.layout
+                                                                                  : "contiguous";
+    const int64_t rank = static_cast<int64_t>(full.size());
+    int64_t numel = 1;
+    for (int64_t n : full) numel *= n;
     std::vector<int64_t> leaf_shape = full;
-    if (layout == "row_strided") leaf_shape = {full[0], full[1] + 5};
-    if (layout == "offset") leaf_shape = {full[0] * full[1] + 1};
-    if (layout == "transposed") leaf_shape = {full[1], full[0]};
-    if (layout == "expanded") leaf_shape = {1, full[1]};
+    if (layout == "row_strided") leaf_shape.back() += 5;
+    if (layout == "offset") leaf_shape = {numel + 1};
+    if (layout == "transposed" && rank == 2) leaf_shape = {full[1], full[0]};
+    if (layout == "transposed" && rank >= 3) std::swap(leaf_shape[rank - 3], leaf_shape[rank - 2]);
+    if (layout == "expanded") leaf_shape[0] = 1;
     if (spec.dtype_class == DTypeClass::kIndex) {
       // Class indices in [0, bound), and the op's ignore_index in every 8th entry. Not a leaf:
       // no gradient flows to an index tensor.
@@ -258,7 +271,7 @@ std::pair<Inputs, Inputs> make_inputs(const OpContract& c, const Case& k, at::De
     auto leaf_of = [&](const Tensor& logical) -> Tensor {
       if (layout == "row_strided") {
         Tensor l = seeded_randn(leaf_shape, seed + 1, device);
-        l.narrow(1, 0, full[1]).copy_(logical);
+        l.narrow(-1, 0, full.back()).copy_(logical);
         return l;
       }
       if (layout == "offset") {
@@ -266,7 +279,8 @@ std::pair<Inputs, Inputs> make_inputs(const OpContract& c, const Case& k, at::De
         l.narrow(0, 1, logical.numel()).copy_(logical.reshape(-1));
         return l;
       }
-      if (layout == "transposed") return logical.t().contiguous();
+      if (layout == "transposed" && rank == 2) return logical.t().contiguous();
+      if (layout == "transposed") return logical.transpose(-3, -2).contiguous();
       if (layout == "expanded") return logical.narrow(0, 0, 1).clone();
       return logical;
     };
@@ -277,9 +291,10 @@ std::pair<Inputs, Inputs> make_inputs(const OpContract& c, const Case& k, at::De
     leaf = leaf.detach().requires_grad_(k.grad);
     Tensor leaf64 = with_values ? leaf.detach().to(at::kDouble).requires_grad_(k.grad) : Tensor();
     auto view = [&](const Tensor& t) -> Tensor {
-      if (layout == "row_strided") return t.narrow(1, 0, full[1]);
-      if (layout == "offset") return t.narrow(0, 1, full[0] * full[1]).view(full);
-      if (layout == "transposed") return t.t();
+      if (layout == "row_strided") return t.narrow(-1, 0, full.back());
+      if (layout == "offset") return t.narrow(0, 1, numel).view(full);
+      if (layout == "transposed" && rank == 2) return t.t();
+      if (layout == "transposed") return t.transpose(-3, -2);
       if (layout == "expanded") return t.expand(full);
       return t;
     };

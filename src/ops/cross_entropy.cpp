@@ -33,6 +33,12 @@ void check_scalars(const char* op, const char* classes_where, int64_t rows, int6
 void check_targets_on_cpu(const char* op, const Tensor& target, int64_t classes,
                           int64_t ignore_index) {
   if (!target.is_cpu() || target.numel() == 0) return;
+  // A tensor being traced (torch.compile's fake and functional tensors) has no values to read.
+  const auto keys = target.key_set();
+  if (keys.has(c10::DispatchKey::Python) || keys.has(c10::DispatchKey::Functionalize) ||
+      !target.unsafeGetTensorImpl()->has_storage()) {
+    return;
+  }
   Tensor bad = (target != ignore_index) & ((target < 0) | (target >= classes));
   if (!bad.any().item<bool>()) return;
   const int64_t row = bad.nonzero()[0][0].item<int64_t>();
@@ -103,6 +109,28 @@ Tensor reference_loss(const Tensor& logits, const Tensor& target, int64_t ignore
                : reduction == CeReduction::kSum ? loss.sum()
                                                 : loss.sum() / (target != ignore_index).sum();
   return in_dtype(out, logits.scalar_type());
+}
+
+Tensor eager_loss(const Tensor& logits, const Tensor& target, int64_t ignore_index,
+                  double label_smoothing, CeReduction reduction) {
+  const int64_t classes = logits.size(1);
+  const Tensor t = target.to(at::kLong);
+  const Tensor bad = (t != ignore_index) & ((t < 0) | (t >= classes));
+  // PyTorch asserts on the device for such a target: it goes in as ignored, its row made NaN.
+  const Tensor safe = at::where(bad, at::full({}, ignore_index, t.options()), t);
+  const int64_t red = reduction == CeReduction::kNone  ? at::Reduction::None
+                      : reduction == CeReduction::kSum ? at::Reduction::Sum
+                                                       : at::Reduction::Mean;
+  Tensor loss = at::cross_entropy_loss(logits.to(at::kFloat), safe, {}, red, ignore_index,
+                                       label_smoothing);
+  const Tensor nan = at::full({}, std::numeric_limits<float>::quiet_NaN(), loss.options());
+  if (reduction == CeReduction::kNone) {
+    loss = at::where(bad, nan, loss);
+  } else {
+    // mean's count includes such rows, as every backend's does: the loss is NaN either way.
+    loss = at::where(bad.any(), nan, loss);
+  }
+  return loss.to(logits.scalar_type());
 }
 
 void aten_chunk_step(const ChunkStep& s) {
@@ -340,8 +368,15 @@ OpContract contract() {
   return c;
 }
 
+// ---- eager: what a user writes without kernelgate
+Tensor ce_eager(const Tensor& logits, const Tensor& target, int64_t ignore_index, double eps,
+                c10::string_view reduction) {
+  return ce::eager_loss(logits, target, ignore_index, eps, ce::parse_reduction(kOp, reduction));
+}
+
 const OpId kOpId = OpDeclaration(contract())
                        .reference(ce_reference_op)
+                       .eager(ce_eager)
                        .meta(meta)
                        .check(check_args)
                        .backend("reference", BackendKind::kReference, forward<reference_fwd>,

@@ -28,6 +28,12 @@ void check_targets_on_cpu(const char* op, const at::Tensor& target, int64_t clas
 at::Tensor reference_loss(const at::Tensor& logits, const at::Tensor& target, int64_t ignore_index,
                           double label_smoothing, CeReduction reduction);
 
+// The loss as plain PyTorch code computes it: F.cross_entropy(logits.float(), target, ...), in
+// logits' dtype (the eager backends). A target outside [0, classes) that is not ignore_index
+// makes its row's loss NaN, as in every backend (not a device-side assert).
+at::Tensor eager_loss(const at::Tensor& logits, const at::Tensor& target, int64_t ignore_index,
+                      double label_smoothing, CeReduction reduction);
+
 // Reduces float32 row losses: none -> as is, sum -> sum, mean -> sum / n_valid.
 at::Tensor reduce_rows(const at::Tensor& row_loss, CeReduction reduction,
                        const at::Tensor& n_valid);

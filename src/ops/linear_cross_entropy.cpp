@@ -462,9 +462,25 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
   }
 };
 
+// ---- eager: what a user writes without kernelgate,
+// F.cross_entropy(F.linear(hidden, weight, bias).float(), target, ...), the loss in hidden's dtype
+Tensor lce_eager(const Tensor& hidden, const Tensor& weight, const Tensor& target,
+                 const OptTensor& bias, int64_t ignore_index, double eps,
+                 c10::string_view reduction) {
+  return ce::eager_loss(at::linear(hidden, weight, bias), target, ignore_index, eps,
+                        ce::parse_reduction(kOp, reduction));
+}
+
+OpId lce_id();
+
 Tensor lce_autograd(c10::DispatchKeySet ks, const Tensor& hidden, const Tensor& weight,
                     const Tensor& target, const OptTensor& bias, int64_t ignore_index, double eps,
                     c10::string_view reduction) {
+  {  // where the eager backend serves, PyTorch's autograd records the plain code
+    torch::jit::Stack s;
+    torch::jit::push(s, hidden, weight, target, bias, ignore_index, eps, std::string(reduction));
+    if (serve_eager(lce_id(), s)) return s.back().toTensor();
+  }
   const bool needs_grad =
       at::GradMode::is_enabled() &&
       (hidden.requires_grad() || weight.requires_grad() || (bias && bias->requires_grad()));
@@ -496,6 +512,7 @@ OpContract contract() {
                          {{"rows", 8192}, {"hidden", 3584}, {"classes", 152064}},
                          {{"rows", 8192}, {"hidden", 2048}, {"classes", 32000}},
                          {{"rows", 8192}, {"hidden", 2048}, {"classes", 128256}}};
+  c.production_optionals = {false};  // an lm_head has no bias
   c.outputs = {"loss"};
   // The forward's gradients for a unit cotangent ("mean" / "sum" in training; see
   // LinearCrossEntropyFunction), and the lse that a recomputing backward reads.
@@ -523,6 +540,7 @@ void define_helpers(torch::Library& lib) {
 const OpId kOpId =
     OpDeclaration(contract())
         .reference(lce_reference_op)
+        .eager(lce_eager)
         .meta(meta)
         .check(check_args)
         .backend("reference", BackendKind::kReference, forward<plan_fwd<kReference>>,
@@ -543,6 +561,8 @@ const OpId kOpId =
 #endif
         .custom_autograd(define_helpers)
         .install();
+
+OpId lce_id() { return kOpId; }
 
 }  // namespace
 

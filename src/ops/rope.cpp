@@ -354,6 +354,9 @@ void add_llm_shapes(OpContract& c) {
                                    {"head_dim", s[4]},
                                    {"cos_batch", 1}});
   }
+  // Attention code's q and k are views: q_proj(x).view(batch, seq, heads, head_dim)
+  // .transpose(1, 2); some models make them contiguous first.
+  c.production_layouts = {"contiguous", "transposed"};
   // cos_batch is 1 or batch; the harness varies dims one at a time, so it keeps 1.
   c.dim_ranges = {{"batch", {1, 64}},  {"q_heads", {1, 128}},  {"kv_heads", {1, 128}},
                   {"seq", {1, 65536}}, {"head_dim", {2, 512}}, {"cos_batch", {1, 1}}};

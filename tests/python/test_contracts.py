@@ -206,6 +206,45 @@ def grads(outs, leaves, cots, create_graph=False):
                                     create_graph=create_graph, allow_unused=True, materialize_grads=True))
 
 
+# ---- production calls fall in regions the sweep measures -----------------------------------------
+
+def test_rope_production_shapes_are_swept_in_attention_codes_layout():
+    """rope's q and k as attention code makes them (q_proj(x).view(b, s, h, d).transpose(1, 2)):
+    the grid sweeps its production shapes in that layout, and a case of it falls in the same
+    region as such a call (strided, not the contiguous one)."""
+    made = [fields(enc) for _, enc in _C.make_cases("rope", "full", dtypes=["bfloat16"], max_elements=1 << 30)]
+    step = "batch=4,cos_batch=1,head_dim=128,kv_heads=4,q_heads=16,seq=2048"
+    at_step = {(f["layout"], f["grad"]) for f in made if f["dims"] == step}
+    assert at_step == {("contiguous", "1"), ("contiguous", "0"), ("transposed", "1"), ("transposed", "0")}, at_step
+    # A small transposed case: its q and k are the view attention code passes.
+    (cid, enc), *_ = cases("rope", "quick", "bfloat16", layout="transposed", regime="normal", grad="1")
+    args, _ = call_args(enc, "cpu")
+    q, k = args[0], args[1]
+    assert not q.is_contiguous() and q.transpose(1, 2).is_contiguous(), (cid, q.stride())
+    assert not k.is_contiguous() and k.transpose(1, 2).is_contiguous(), (cid, k.stride())
+    b, h, s, d = q.shape
+    qv = torch.randn(b, s, h, d, dtype=q.dtype).transpose(1, 2).requires_grad_()
+    kv = torch.randn(b, s, k.shape[1], d, dtype=k.dtype).transpose(1, 2).requires_grad_()
+    key = kg.explain("rope", qv, kv, args[2], args[3]).key
+    assert key == kg.explain("rope", *args).key and " strided " in key, key
+
+
+def test_linear_cross_entropy_production_shapes_are_swept_without_a_bias():
+    """An lm_head has no bias: linear_cross_entropy's production shapes are swept without one
+    (the key of a call without a bias is another region than with one); the mid-size shape
+    still has cases with and without."""
+    made = [fields(enc) for _, enc in _C.make_cases("linear_cross_entropy", "full", dtypes=["bfloat16"],
+                                                    max_elements=1 << 30)]
+    step = [f for f in made if f["dims"] == "classes=128256,hidden=2048,rows=8192"]
+    assert step and {f["optional"] for f in step} == {"0"}, {f["optional"] for f in step}
+    assert {f["optional"] for f in made} == {"0", "1"}
+    h, w = torch.randn(8, 16), torch.randn(32, 16)
+    t = torch.randint(0, 32, (8,))
+    without = kg.explain("linear_cross_entropy", h, w, t).key
+    with_bias = kg.explain("linear_cross_entropy", h, w, t, torch.randn(32)).key
+    assert without != with_bias and ",none " in without, (without, with_bias)
+
+
 # ---- forward and every gradient against the float64 oracle --------------------------------------
 
 def backend_kind(op: str, backend: str) -> str:

@@ -263,10 +263,14 @@ def test_cpu_recomputing_backward_matches_precomputed(backend, red):
 
 
 @pytest.mark.parametrize("red", ["mean", "sum"])
-def test_second_backward_through_same_graph_is_refused(red):
+@pytest.mark.parametrize("backend", ["reference", "kernelgate_cpu"])
+def test_second_backward_through_same_graph_is_refused(red, backend):
+    # kernelgate's backends compute the gradients in the forward (the eager backend is PyTorch's
+    # own graph, which allows it).
     h = torch.randn(6, 4, requires_grad=True)
     w = torch.randn(5, 4, requires_grad=True)
-    y = kg.linear_cross_entropy(h, w, torch.tensor([0, 1, 2, 3, 4, 0]), reduction=red)
+    with kg.use(force={OP: backend}):
+        y = kg.linear_cross_entropy(h, w, torch.tensor([0, 1, 2, 3, 4, 0]), reduction=red)
     y.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="backward through the same graph twice is not supported"):
         y.backward()
@@ -287,12 +291,17 @@ def test_loss_used_twice_gets_one_summed_cotangent():
     torch.testing.assert_close(g, e)
 
 
-def test_default_is_reference_and_policy_routes():
+def test_default_is_the_plain_code_and_policy_routes():
     h, w, t = torch.randn(4, 8), torch.randn(10, 8), torch.randint(0, 10, (4,))
     e = kg.explain(OP, h, w, t)
-    assert e.backend == "reference" and "no evidence" in e.reason
+    assert e.backend == "eager" and "no evidence" in e.reason and "plain PyTorch" in e.reason, str(e)
     assert {c.backend for c in e.candidates} >= {"reference", "kernelgate_cpu", "kernelgate_cpu_narrow_accum",
-                                                 "kernelgate_cuda", "kernelgate_cuda_narrow_accum"}
+                                                 "kernelgate_cuda", "kernelgate_cuda_narrow_accum", "eager"}
+    # The plain code, recorded by PyTorch's autograd: F.cross_entropy on the float32 logits.
+    hl, wl = h.clone().requires_grad_(), w.clone().requires_grad_()
+    y = kg.linear_cross_entropy(hl, wl, t)
+    assert type(y.grad_fn).__name__ != "CppFunction", y.grad_fn
+    torch.testing.assert_close(y, F.cross_entropy(F.linear(h, w).float(), t), rtol=0, atol=0)
     assert kg.explain(OP, h, w, t, reduction="none").key.endswith("variant=2")
     kg.policy.add_rule(OP, ["kernelgate_cpu"], arch=-1, evidence="test rule")
     assert kg.explain(OP, h, w, t).backend == "kernelgate_cpu"
