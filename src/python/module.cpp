@@ -124,6 +124,9 @@ py::list ops() {
     }
     o["gradients"] = diff;
     o["variant_args"] = e.contract.variant_args;
+    o["production_shapes"] = e.contract.production_shapes;
+    o["production_layouts"] = e.contract.production_layouts;
+    o["production_optionals"] = e.contract.production_optionals;
     o["defined_in_python"] = !e.contract.source_hash.empty();
     out.append(o);
   }

@@ -414,7 +414,7 @@ def test_cli_ops_explain_json(capsys):
 
 # Ops whose H200 evidence ships (python/kernelgate/evidence/h200-<op>.sqlite.xz), and those not
 # swept on the H200 yet: they run the fallback there until they are (docs/evidence.md).
-H200_NOT_YET = {"cross_entropy", "geglu", "layer_norm", "qk_norm_rope"}
+H200_NOT_YET = {"geglu", "layer_norm", "qk_norm_rope"}
 # Each built-in op's backends as the package registers them (before any test loads a plugin).
 BUILTIN_BACKENDS = {o["name"]: {b["name"] for b in o["backends"] if b["kind"] != "python"}
                     for o in kg.ops() if not o["defined_in_python"]}
