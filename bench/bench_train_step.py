@@ -166,8 +166,9 @@ def make_ops(variant):
                      "kernelgate_compile)")
 
 
-def served(cfg, dev, dt):
-    """Which backend serves each op of the kernelgate model at its shapes, in a training step."""
+def step_calls(cfg, dev, dt):
+    """The kernelgate model's calls, op by op, as arguments of its shapes and layouts (uninitialised
+    tensors; meta tensors where dev is "meta")."""
     B, S, H = cfg["batch"], cfg["seq"], cfg["hidden"]
     T = B * S
 
@@ -184,8 +185,13 @@ def served(cfg, dev, dt):
         "linear_cross_entropy": (t(T, H), t(cfg["vocab"], H),
                                  torch.zeros(T, dtype=torch.long, device=dev)),
     }
+    return calls
+
+
+def served(cfg, dev, dt):
+    """Which backend serves each op of the kernelgate model at its shapes, in a training step."""
     out = {}
-    for op, args in calls.items():
+    for op, args in step_calls(cfg, dev, dt).items():
         e = kg.explain(op, *args)
         out[op] = {"backend": e.backend, "reason": e.reason}
     return out

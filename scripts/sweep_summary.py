@@ -30,26 +30,11 @@ from kernelgate import _C  # noqa: E402
 from rerank_check import as_foreign  # noqa: E402
 
 
-def step_calls(dt=torch.bfloat16):
+def step_calls():
     """The kernelgate calls of bench_train_step.py's model (its FULL config), as meta tensors."""
     import bench_train_step as step
 
-    c = step.FULL
-    B, S, H, T = c["batch"], c["seq"], c["hidden"], c["batch"] * c["seq"]
-
-    def t(*shape):
-        return torch.empty(*shape, device="meta", dtype=dt, requires_grad=True)
-
-    cos = torch.empty(1, S, c["head_dim"], device="meta", dtype=dt)
-    return {
-        "rms_norm": (t(B, S, H), t(H)),
-        "add_rms_norm": (t(B, S, H), t(B, S, H), t(H)),
-        "rope": (t(B, S, c["heads"], c["head_dim"]).transpose(1, 2),
-                 t(B, S, c["kv_heads"], c["head_dim"]).transpose(1, 2), cos, cos),
-        "swiglu": (t(T, c["mlp"]), t(T, c["mlp"])),
-        "linear_cross_entropy": (t(T, H), t(c["vocab"], H),
-                                 torch.zeros(T, dtype=torch.long, device="meta")),
-    }
+    return step.step_calls(step.FULL, "meta", torch.bfloat16)
 
 
 def op_of(store):

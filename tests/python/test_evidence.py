@@ -432,8 +432,8 @@ def test_every_op_not_listed_as_not_yet_ships_h200_evidence():
     assert set(_shipped_h200()) == ops - H200_NOT_YET
 
 
-@pytest.mark.xfail(strict=True, reason="cross_entropy, geglu, layer_norm and qk_norm_rope are not "
-                   "swept on the H200 yet: when they ship, empty H200_NOT_YET")
+@pytest.mark.xfail(strict=True, reason="geglu, layer_norm and qk_norm_rope are not swept on the H200 "
+                   "yet: when they ship, empty H200_NOT_YET")
 def test_every_op_ships_h200_evidence():
     assert not H200_NOT_YET
 
@@ -468,3 +468,21 @@ def test_shipped_h200_evidence_is_current_for_this_build(op):
     # Every backend the package registers for the op was swept.
     assert backends == BUILTIN_BACKENDS[op], backends
     assert counts.get("passed", 0) > 2000 and set(counts) <= {"passed", "incorrect", "unsupported"}, counts
+
+def test_the_step_benchmarks_calls_are_ranked_by_the_shipped_evidence(tmp_path):
+    """Every kernelgate call of bench/bench_train_step.py's model, with and without gradients,
+    falls in a region the shipped H200 evidence ranks, first by one of kernelgate's own kernels:
+    installed, the step runs kernels the sweeps proved there, not the fallback (the regions are
+    the keys explain gives the model's calls, its layouts and absent optionals included)."""
+    shipped = _shipped_h200()
+    step_ops = {"rms_norm", "add_rms_norm", "rope", "swiglu", "linear_cross_entropy"}
+    assert step_ops <= set(shipped), sorted(shipped)
+    out = tmp_path / "sweeps.json"
+    subprocess.run([sys.executable, os.path.join(REPO, "scripts", "sweep_summary.py"), "--out", str(out),
+                    *[shipped[op] for op in sorted(step_ops)]], check=True, capture_output=True, timeout=600)
+    regions = json.loads(out.read_text())["policy_at_train_step_shapes"]["regions"]
+    assert len(regions) == 2 * len(step_ops), sorted(regions)
+    for key, r in regions.items():
+        assert r["ranked"] and r["ranked"][0].startswith("kernelgate_cuda"), (key, r)
+    assert any(" strided " in k for k in regions if k.startswith("rope ")), sorted(regions)
+    assert any(",none " in k for k in regions if k.startswith("linear_cross_entropy ")), sorted(regions)
