@@ -294,12 +294,32 @@ UsableEvidence usable_evidence(const std::string& user_db,
   }
   EvidenceSet lent{true, true, "", {}};
   std::set<std::string> lent_by;
+  // A rerank times what the lender timed, except a backend more than kRerankSlowerOnLender times
+  // slower than the fastest one on the same case there: on a GPU of the same architecture such
+  // a gap does not close, so it is not timed again and ranks nowhere the rerank reaches (it can
+  // still serve as the fallback it may be).
+  auto lender_time = [](const store::Result& r) {
+    return r.device_median_us ? *r.device_median_us : r.eager_median_us.value_or(0.0);
+  };
+  auto timed_pass = [](const store::Result& r) {
+    return r.disposition == store::Disposition::kPassed && (r.device_median_us || r.eager_median_us);
+  };
+  std::map<std::pair<std::string, std::string>, double> fastest;  // (op, case id) -> us
+  for (const auto& r : borrowed) {
+    if (!timed_pass(r)) continue;
+    auto [it, fresh] = fastest.try_emplace({r.op, r.case_id}, lender_time(r));
+    if (!fresh) it->second = std::min(it->second, lender_time(r));
+  }
+  size_t pruned = 0;
   for (size_t i = 0; i < borrowed.size(); ++i) {
     store::Result& r = borrowed[i];
     if (shipped_regions.count(r.region) || local.count({r.op, r.backend, r.case_id})) continue;
-    if (r.disposition == store::Disposition::kPassed &&
-        (r.device_median_us || r.eager_median_us)) {
-      out.to_rerank.insert({r.op, r.backend, r.case_id});
+    if (timed_pass(r)) {
+      if (lender_time(r) > kRerankSlowerOnLender * fastest.at({r.op, r.case_id})) {
+        ++pruned;
+      } else {
+        out.to_rerank.insert({r.op, r.backend, r.case_id});
+      }
     }
     // Timings of another GPU never rank here; the reason says whose verdict this is.
     r.device_median_us = r.device_spread_us = r.eager_median_us = r.eager_spread_us = {};
@@ -313,6 +333,11 @@ UsableEvidence usable_evidence(const std::string& user_db,
       lent_by.insert(lenders[i]);
       lent.rows.push_back(std::move(r));
     }
+  }
+  if (pruned > 0) {
+    out.notes.push_back("a rerank leaves out " + std::to_string(pruned) +
+                        " borrowed runs more than " + std::to_string(static_cast<int>(kRerankSlowerOnLender)) +
+                        "x slower than the fastest backend of their case on the lender");
   }
   if (!lent.rows.empty()) {
     std::string names;

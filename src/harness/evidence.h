@@ -68,6 +68,8 @@ struct EvidenceSet {
   std::vector<store::Result> rows;
 };
 
+inline constexpr double kRerankSlowerOnLender = 3.0;
+
 struct UsableEvidence {
   // The user's store first (when it could be read), then the shipped evidence (when any row
   // applies), then evidence borrowed from other GPUs of this architecture for the regions
@@ -77,7 +79,9 @@ struct UsableEvidence {
   // rerank times there what borrowed rows prove correct, case by case).
   std::map<std::string, std::set<std::string>> borrowed_in;
   // (op, backend, case id) that borrowed rows show passing and their lender timed, and the
-  // user's store holds no row of: what `kernelgate rerank` runs (validated and timed here).
+  // user's store holds no row of: what `kernelgate rerank` runs (validated and timed here);
+  // not a run its lender timed more than kRerankSlowerOnLender times slower than the fastest
+  // backend of the same case.
   std::set<std::tuple<std::string, std::string, std::string>> to_rerank;
   std::vector<std::string> notes;     // per source used (or user store not made yet): for people
   std::vector<std::string> problems;  // per existing source left out: why
