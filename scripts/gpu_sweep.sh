@@ -19,6 +19,10 @@ if [ -z "${KG_NO_BUILD:-}" ]; then
   python3 -m pip install --no-build-isolation --no-deps --no-index -v -C build-dir=build/h200 "${COMPILERS[@]}" \
     "${ARCHS[@]}" -C cmake.define.CMAKE_PREFIX_PATH="$PREFIX" . >"$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
 fi
+# Carried wheels (e.g. Liger-Kernel) too, for a benchmark run after the sweeps in the same call.
+if ls .carry/wheels/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-deps --no-index .carry/wheels/*.whl >"$OUT/wheels.log" 2>&1 || tail -5 "$OUT/wheels.log"
+fi
 preload_libstdcxx
 [ "$OPS" = all ] && OPS=$(python3 -c 'import kernelgate as kg; print(" ".join(o["name"] for o in kg.ops()))')
 SW=${KG_SWEEP_DIR:-/tmp/kg_sweeps}
