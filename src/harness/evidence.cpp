@@ -167,6 +167,13 @@ bool speaks_for_region(const store::Result& r) {
 
 enum class Admit { kCurrent, kShipped, kBorrowed };
 
+// "A, B": the lending GPUs' names, for provenance.
+std::string lender_names(const std::set<std::string>& names) {
+  std::string out;
+  for (const auto& n : names) out += (out.empty() ? "" : ", ") + n;
+  return out;
+}
+
 // Rows of `op` in `s` that may serve this process: each row's stored fingerprint is its
 // backend's current one or, for shipped evidence, one the shipped rule (or, kBorrowed, the
 // borrowing rule) admits for it. `lenders`, when given, receives each row's GPU name.
@@ -302,7 +309,8 @@ UsableEvidence usable_evidence(const std::string& user_db,
     return r.device_median_us ? *r.device_median_us : r.eager_median_us.value_or(0.0);
   };
   auto timed_pass = [](const store::Result& r) {
-    return r.disposition == store::Disposition::kPassed && (r.device_median_us || r.eager_median_us);
+    return r.disposition == store::Disposition::kPassed &&
+           (r.device_median_us || r.eager_median_us);
   };
   std::map<std::pair<std::string, std::string>, double> fastest;  // (op, case id) -> us
   for (const auto& r : borrowed) {
@@ -336,13 +344,12 @@ UsableEvidence usable_evidence(const std::string& user_db,
   }
   if (pruned > 0) {
     out.notes.push_back("a rerank leaves out " + std::to_string(pruned) +
-                        " borrowed runs more than " + std::to_string(static_cast<int>(kRerankSlowerOnLender)) +
+                        " borrowed runs more than " +
+                        std::to_string(static_cast<int>(kRerankSlowerOnLender)) +
                         "x slower than the fastest backend of their case on the lender");
   }
   if (!lent.rows.empty()) {
-    std::string names;
-    for (const auto& n : lent_by) names += (names.empty() ? "" : ", ") + n;
-    lent.provenance = "evidence borrowed from " + names +
+    lent.provenance = "evidence borrowed from " + lender_names(lent_by) +
                       " (same architecture and build: correctness only, not timed on this GPU;"
                       " kernelgate rerank times it)";
     out.sets.push_back(std::move(lent));
@@ -518,9 +525,8 @@ std::vector<RegionPolicy> derive_policy(const UsableEvidence& evidence) {
       r.evidence = set.provenance;
       auto lent = evidence.borrowed_in.find(r.region);
       if (!set.borrowed && lent != evidence.borrowed_in.end()) {
-        std::string names;
-        for (const auto& n : lent->second) names += (names.empty() ? "" : ", ") + n;
-        r.evidence += "; correctness of cases not run here borrowed from " + names;
+        r.evidence +=
+            "; correctness of cases not run here borrowed from " + lender_names(lent->second);
       }
       out.push_back(std::move(r));
     }

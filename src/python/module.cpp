@@ -249,7 +249,8 @@ py::dict run_sweep(const std::string& op, const std::vector<std::string>& backen
 }
 
 // What `kernelgate rerank` runs for `op`: the (backend, case id) runs that borrowed evidence
-// shows correct and its lender timed, which the user's store does not hold.
+// shows correct and its lender timed, which the user's store does not hold
+// (UsableEvidence::to_rerank: not those far slower on the lender).
 std::vector<std::pair<std::string, std::string>> rerank_plan(const std::string& op,
                                                              const std::string& db,
                                                              const std::vector<std::string>& shipped) {
