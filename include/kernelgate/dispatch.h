@@ -343,8 +343,13 @@ class Dispatcher {
   std::vector<std::string> op_names() const;  // sorted
 
   // Hot path: the local index of the backend that serves this call (0 = reference). `dims` comes
-  // from check_call on the same call.
-  int select(OpId op, const CallView& call, const BoundDims& dims);
+  // from check_call on the same call; `backward`: the call is the op's backward.
+  //
+  // The CUDA-graph rule for JIT backends (kPython: Triton autotune, CuTe compile cannot first run
+  // inside a capture): a Python backend serves a call made during capture only if it served the
+  // same key and direction eagerly before (the warm set; kg.warmup fills it; the stream is not
+  // part of the key). Otherwise the next ranked backend serves, with the reason logged once.
+  int select(OpId op, const CallView& call, const BoundDims& dims, bool backward = false);
   DispatchKey make_key(OpId op, const CallView& call, const BoundDims& dims) const;
   Explanation explain(OpId op, const CallView& call, const BoundDims& dims);
 
@@ -391,5 +396,9 @@ class Dispatcher {
 // Device facts the key needs; provided by the CUDA part of the build when present.
 int cuda_arch(int device_index);  // major*10+minor, or 0 if unknown
 void set_cuda_arch_provider(int (*provider)(int device_index));
+// Whether the current CUDA stream is capturing a graph (false without CUDA).
+bool stream_capturing();
+void set_capture_provider(bool (*provider)());
+void simulate_capture_for_tests(bool on);  // CPU tests of the warm-set rule
 
 }  // namespace kernelgate

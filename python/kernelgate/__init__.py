@@ -10,7 +10,7 @@ The decision is made in C++ (libkernelgate); this package loads it and adds a th
 import torch  # noqa: F401  (loads LibTorch before our library)
 
 from . import _C  # noqa: F401  (registers torch.ops.kernelgate)
-from ._api import Explanation, explain, ops, use
+from ._api import Explanation, Warmup, explain, ops, use, warmup
 from ._define import define_op, register_backend
 from ._logging import install_log_hook
 from . import _ops
@@ -18,16 +18,17 @@ from ._ops import geglu, rms_norm, swiglu
 from ._ops import add_rms_norm, layer_norm
 from ._ops import qk_norm_rope, rope
 from ._ops import cross_entropy, linear_cross_entropy
-from . import evidence, policy
+from . import backends, evidence, policy
 
 __version__ = "0.1.0"
 __all__ = ["rms_norm", "swiglu", "geglu", "explain", "ops", "use", "policy", "evidence", "Explanation", "__version__"]
-__all__ += ["define_op", "register_backend"]
+__all__ += ["define_op", "register_backend", "warmup", "Warmup"]
 __all__ += ["add_rms_norm", "layer_norm"]
 __all__ += ["rope", "qk_norm_rope"]
 __all__ += ["cross_entropy", "linear_cross_entropy"]
 
 install_log_hook()
+backends.install()  # the field's libraries (not imported until used)
 evidence.install()
 
 

@@ -2,7 +2,8 @@
 
 import contextlib
 import dataclasses
-from typing import Dict, Iterable, Iterator, List, Mapping, Optional, Union
+import time
+from typing import Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -69,6 +70,12 @@ def explain(op: str, *args, device: Optional[str] = None, **kwargs) -> Explanati
     the error it would raise.
     """
     info = _op_info(op)
+    if device is not None:
+        where = torch.device(device)
+        if where.type == "cuda" and (where.index or 0) >= torch.cuda.device_count():
+            raise ValueError(f"explain: device '{device}' is not visible to this process "
+                             f"({torch.cuda.device_count()} CUDA devices); it answers for the devices "
+                             "the process can run on")
     schema = getattr(torch.ops.kernelgate, op).default._schema
     names = [a.name for a in schema.arguments]
     if len(args) > len(names):
@@ -103,6 +110,62 @@ def explain(op: str, *args, device: Optional[str] = None, **kwargs) -> Explanati
         candidates=[Candidate(**c) for c in d["candidates"]],
         evidence_problems=d["evidence_problems"],
     )
+
+
+@dataclasses.dataclass
+class Warmup:
+    """What kg.warmup ran: its wall time and, per example call, the backend that served it
+    (forward, and backward where gradients are needed)."""
+
+    seconds: float
+    served: List[Dict[str, str]]
+
+
+def warmup(op: str, *args, calls: Optional[Sequence[tuple]] = None, **kwargs) -> Warmup:
+    """Runs `op` eagerly on example calls, forward and (where a tensor argument requires grad)
+    backward, so that each backend the policy picks for such calls has compiled and autotuned
+    before it matters: before step 1 of a training run, and before a CUDA graph is captured (a
+    JIT backend serves a captured call only if it served that call's key eagerly before; other
+    calls under capture go to the next ranked backend, with a logged reason).
+
+        kg.warmup("rms_norm", x, w)                                  # one example call
+        kg.warmup("rms_norm", calls=[(x1, w), (x2, w, 1e-5)])        # several (positional args)
+
+    The examples are computed on (their values do not matter; their shapes, dtypes, layouts and
+    devices do). Returns the time it took and what served each call; raises ValueError if given
+    no call, and what the op raises for an invalid one.
+    """
+    _op_info(op)
+    if calls is None:
+        if not args and not kwargs:
+            raise ValueError(f"warmup: give {op} an example call (its arguments), or calls=[...]")
+        calls = [(args, kwargs)]
+    else:
+        if args or kwargs:
+            raise ValueError("warmup: give either one example call or calls=[...], not both")
+        calls = [c if len(c) == 2 and isinstance(c[1], Mapping) and isinstance(c[0], tuple) else (tuple(c), {})
+                 for c in calls]
+        if not calls:
+            raise ValueError("warmup: calls is empty; nothing would be warmed")
+    fn = getattr(torch.ops.kernelgate, op).default
+    served = []
+    start = time.perf_counter()
+    for call_args, call_kwargs in calls:
+        backend = explain(op, *call_args, **call_kwargs).backend
+        out = fn(*call_args, **call_kwargs)
+        outs = [o for o in (out if isinstance(out, (tuple, list)) else [out])
+                if isinstance(o, torch.Tensor) and o.requires_grad]
+        direction = "forward"
+        if outs:
+            leaves = [t for t in list(call_args) + list(call_kwargs.values())
+                      if isinstance(t, torch.Tensor) and t.requires_grad]
+            torch.autograd.grad(outs, leaves, [torch.ones_like(o) for o in outs], allow_unused=True)
+            direction = "forward+backward"
+        served.append({"backend": backend, "ran": direction})
+    for t in {c[0][0].device for c in calls if c[0] and isinstance(c[0][0], torch.Tensor)}:
+        if t.type == "cuda":
+            torch.cuda.synchronize(t)
+    return Warmup(seconds=time.perf_counter() - start, served=served)
 
 
 Spec = Union[None, str, Mapping[str, Union[str, Iterable[str]]], Iterable[str]]

@@ -40,6 +40,16 @@ def _resolve(fn: Fn, what: str) -> Callable:
     return fn
 
 
+def _code_text(src: str) -> str:
+    lines = [re.sub(r"\s+#.*$", "", l).rstrip() for l in src.splitlines()]
+    return "\n".join(l for l in lines if l.strip() and not l.strip().startswith("#"))
+
+
+def source_hash(src: str) -> str:
+    """A hash of Python source, comments and blank lines left out."""
+    return hashlib.sha256(_code_text(src).encode()).hexdigest()[:16]
+
+
 def _code_hash(*fns: Optional[Callable]) -> str:
     """A hash of the functions' source, comments and blank lines left out: a backend's evidence
     goes stale when its code changes, not its comments."""
@@ -52,13 +62,46 @@ def _code_hash(*fns: Optional[Callable]) -> str:
         except (OSError, TypeError):
             code = getattr(fn, "__code__", None)
             src = repr(code.co_code) + repr(code.co_consts) if code is not None else repr(fn)
-        lines = [re.sub(r"\s+#.*$", "", l).rstrip() for l in src.splitlines()]
-        h.update("\n".join(l for l in lines if l.strip() and not l.strip().startswith("#")).encode())
+        h.update(_code_text(src).encode())
     return h.hexdigest()[:16]
 
 
+def _requirements(op: dict, device: Optional[str], dtypes: Optional[Sequence[torch.dtype]],
+                  variants: Optional[Dict[str, Sequence[str]]], present: Sequence[str]) -> dict:
+    """What a backend needs of a call, checked in C++ before its can_implement (no Python on the
+    hot path for these)."""
+    r: dict = {}
+    if device is not None:
+        if device not in ("cuda", "cpu"):
+            raise ValueError(f"device must be 'cuda', 'cpu' or None, got {device!r}")
+        r["device"] = device
+    if dtypes is not None:
+        bad = [d for d in dtypes if not isinstance(d, torch.dtype)]
+        if bad or not dtypes:
+            raise TypeError(f"dtypes must be a non-empty list of torch dtypes, got {list(dtypes)!r}")
+        r["dtypes"] = list(dtypes)
+    if variants:
+        known = dict(op.get("variant_args", []))
+        for arg, values in variants.items():
+            if arg not in known:
+                raise ValueError(f"variants: {op['name']} has no variant argument '{arg}' "
+                                 f"(it has: {', '.join(known) or 'none'})")
+            if isinstance(values, str) or not set(values) <= set(known[arg]) or not values:
+                raise ValueError(f"variants: {arg} must be a non-empty list of {known[arg]}, got {values!r}")
+        r["variants"] = {k: list(v) for k, v in variants.items()}
+    if present:
+        for arg in present:
+            if arg not in op["tensor_args"]:
+                raise ValueError(f"present: {op['name']} has no tensor argument '{arg}'")
+        r["present"] = list(present)
+    return r
+
+
 def register_backend(op: str, name: str, forward: Fn, backward: Optional[Fn] = None, *,
-                     can_implement: Optional[Callable] = None, package: Optional[str] = None) -> None:
+                     can_implement: Optional[Callable] = None, package: Optional[str] = None,
+                     device: Optional[str] = None, dtypes: Optional[Sequence[torch.dtype]] = None,
+                     variants: Optional[Dict[str, Sequence[str]]] = None,
+                     present: Sequence[str] = (), capturable: bool = True) -> None:
     """Adds a backend of `op` written in Python.
 
     forward(*args) takes the op's arguments in schema order and returns its outputs (a tensor or
@@ -73,7 +116,13 @@ def register_backend(op: str, name: str, forward: Fn, backward: Optional[Fn] = N
 
     can_implement(*tensors) gets the op's tensor arguments (None for an absent optional) and
     answers True or None (it can), False or a reason string (it cannot). It is called on the hot
-    path when the backend is ranked: keep it exact and cheap.
+    path when the backend is ranked: keep it exact and cheap. What can be said declaratively is
+    checked in C++ before it, without Python: ``device`` ("cuda" or "cpu": the call's device),
+    ``dtypes`` (of the call's first tensor), ``variants`` (for each of the op's variant
+    arguments, the values the backend implements, e.g. ``{"approximate": ["tanh"]}``) and
+    ``present`` (optional tensor arguments it needs given); ``capturable=False`` for a backend
+    that syncs with the host, which never serves under CUDA-graph capture. Under capture a Python
+    backend serves only calls it served eagerly before (``kg.warmup``).
 
     package names the distribution (its pip name) the backend comes from: its version joins the
     fingerprint of the backend's evidence, and while it is not installed the backend is listed
@@ -97,6 +146,9 @@ def register_backend(op: str, name: str, forward: Fn, backward: Optional[Fn] = N
         raise ValueError(f"backend name must be an identifier-like string, got {name!r}")
     if can_implement is not None and not callable(can_implement):
         raise TypeError(f"can_implement must be callable, got {type(can_implement).__name__}")
+    requirements = _requirements(ops[op], device, dtypes, variants, present)
+    if not capturable:
+        requirements["capturable"] = False
     available, reason, version = True, "", ""
     fwd = bwd = None
     if package is not None:
@@ -112,9 +164,24 @@ def register_backend(op: str, name: str, forward: Fn, backward: Optional[Fn] = N
             available, reason = False, f"cannot import it: {exc}"
     if available:
         version = ";".join(v for v in (version, f"code={_code_hash(fwd, bwd, can_implement)}") if v)
-    _C.register_backend(op, name, fwd, bwd, can_implement, available, reason, version)
+    _C.register_backend(op, name, fwd, bwd, can_implement, requirements, available, reason, version)
     _registered[key] = given
     evidence.install()  # the evidence source learns the new backend's fingerprint
+
+
+def register_library_backend(op: str, name: str, *, forward: str, backward: Optional[str],
+                             requirements: dict, available: bool, reason: str, version: str) -> None:
+    """A backend of one of the field's libraries (kernelgate.backends): its forward and backward
+    are "module:attr" strings the engine imports at the first call; `available` and `version`
+    come from the library's installed distribution. The caller installs the evidence after."""
+    key = (op, name)
+    given = (forward, backward, None, version)
+    if key in _registered:
+        if _registered[key] == given:
+            return
+        raise ValueError(f"{op} already has a backend '{name}'")
+    _C.register_backend(op, name, forward, backward, None, requirements, available, reason, version)
+    _registered[key] = given
 
 
 def define_op(schema: str, *, dims: str, reference: Callable,

@@ -35,8 +35,13 @@ def cmd_ops(args) -> int:
         return 0
     for op in info:
         print(f"{op['schema']}\n  dims: {op['dims']}   dtypes: {', '.join(op['dtypes'])}")
-        rows = [[b["name"], b["kind"], "yes" if b["available"] else "no", b["reason"]] for b in op["backends"]]
-        print("  " + _table(rows, ["backend", "kind", "available", "reason"]).replace("\n", "\n  "))
+        rows = [[b["name"], b["kind"], b["version"].split(";")[0], "yes" if b["available"] else "no", b["reason"]]
+                for b in op["backends"]]
+        print("  " + _table(rows, ["backend", "kind", "package", "available", "reason"]).replace("\n", "\n  "))
+    rows = [[l["library"], f"kernelgate[{l['extra']}]", l["installed"] or "-", f">={l['tested'][0]},<{l['tested'][1]}",
+             "yes" if l["available"] else "no", l["reason"]] for l in kg.backends.libraries()]
+    print("libraries\n  " + _table(rows, ["library", "extra", "installed", "tested", "available", "reason"])
+          .replace("\n", "\n  "))
     return 0
 
 
@@ -179,7 +184,7 @@ def _sweep_op(args, op: str, grid: str, time: bool, only=()) -> dict:
     infos = {o["name"]: o for o in kg.ops()}
     # Python backends and ops run in the Python worker; the others in kernelgate-worker.
     chosen = [b for b in infos[op]["backends"] if not args.backend or b["name"] in args.backend]
-    python = (infos[op]["defined_in_python"] or any(b["kind"] == "python" for b in chosen)
+    python = (infos[op]["defined_in_python"] or any(b["kind"] == "python" and b["available"] for b in chosen)
               or any(plugins.needs_python_worker(p) for p in args.load))
     worker = kg.evidence.worker_argv(args.load, python)
     i, n = args.shard

@@ -17,6 +17,7 @@
 #include <set>
 #include <shared_mutex>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "kernelgate/dispatch.h"
 
@@ -98,7 +99,39 @@ int cuda_arch(int device_index) {
 
 void set_cuda_arch_provider(int (*provider)(int)) { g_arch_provider.store(provider); }
 
+std::atomic<bool (*)()> g_capture_provider{nullptr};
+std::atomic<bool> g_simulated_capture{false};
+
+bool stream_capturing() {
+  if (g_simulated_capture.load(std::memory_order_relaxed)) return true;
+  auto* provider = g_capture_provider.load(std::memory_order_relaxed);
+  return provider != nullptr && provider();
+}
+
+void set_capture_provider(bool (*provider)()) { g_capture_provider.store(provider); }
+void simulate_capture_for_tests(bool on) { g_simulated_capture.store(on); }
+
 struct Dispatcher::Impl {
+  // The warm set of the CUDA-graph rule (see select): hashes of (key, backend, direction) that a
+  // Python backend served outside capture.
+  std::mutex warm_mu;
+  std::unordered_set<uint64_t> warm;
+
+  Support warm_rule(size_t key_hash, int backend, bool backward) {
+    const uint64_t w = static_cast<uint64_t>(key_hash) ^
+                       (static_cast<uint64_t>(backend + 1) * 0x9E3779B97F4A7C15ull) ^
+                       (backward ? 0xC2B2AE3D27D4EB4Full : 0);
+    const bool capturing = stream_capturing();
+    std::lock_guard<std::mutex> lock(warm_mu);
+    if (!capturing) {
+      warm.insert(w);
+      return Support::yes();
+    }
+    if (warm.count(w) != 0) return Support::yes();
+    return Support::no(
+        "not warm for CUDA-graph capture: a JIT backend serves a captured call only after it served "
+        "the same call eagerly (kg.warmup)");
+  }
   mutable std::mutex mu;  // registry, overrides, policy, decision map
   std::vector<std::unique_ptr<OpEntry>> ops;
   std::shared_ptr<PolicySource> policy;  // evidence; may be null
@@ -354,7 +387,7 @@ Decision* Dispatcher::Impl::decide(const OpEntry& e, const DispatchKey& key,
   return raw;
 }
 
-int Dispatcher::select(OpId op, const CallView& call, const BoundDims& dims) {
+int Dispatcher::select(OpId op, const CallView& call, const BoundDims& dims, bool backward) {
   const DispatchKey key = make_key(op, call, dims);
   const size_t h = key.hash();
   CacheSlot& slot = t_cache[h & (t_cache.size() - 1)];
@@ -388,7 +421,8 @@ int Dispatcher::select(OpId op, const CallView& call, const BoundDims& dims) {
   for (int i = 0; i < d->n; ++i) {
     const int b = d->ranked[i];
     if (b == 0) return 0;  // the reference implements every valid call
-    const Support s = e.backends[b].can_implement(call);
+    Support s = e.backends[b].can_implement(call);
+    if (s.ok && e.backends[b].kind == BackendKind::kPython) s = impl_->warm_rule(h, b, backward);
     if (s.ok) return b;
     // Rare path: log the rejection once per (op, backend, reason).
     bool first;

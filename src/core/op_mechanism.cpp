@@ -218,7 +218,8 @@ struct RoutedOp {
     const IValue* args = s.data() + (s.size() - n_bwd_args);
     const CallView call = view_backward(args);
     const BoundDims dims = check_call(contract(), call);
-    const BackendImpl& impl = *entry->backends[Dispatcher::get().select(id, call, dims)].impl;
+    const BackendImpl& impl =
+        *entry->backends[Dispatcher::get().select(id, call, dims, /*backward=*/true)].impl;
     const auto like = grad_options(call);  // the call's tensors are popped below
     impl.backward(s, need);
     finish_backward(s, like, need);

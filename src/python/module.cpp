@@ -505,10 +505,13 @@ PYBIND11_MODULE(_C, m) {
         py::name(name.c_str()));
   });
   m.def("register_backend", &register_python_backend, py::arg("op"), py::arg("name"),
-        py::arg("forward"), py::arg("backward"), py::arg("can_implement"), py::arg("available"),
+        py::arg("forward"), py::arg("backward"), py::arg("can_implement"), py::arg("requirements"),
+        py::arg("available"),
         py::arg("reason"), py::arg("version"));
   m.def("define_op", [](const py::dict& spec) { return static_cast<int>(define_python_op(spec)); });
   m.def("die_with_parent", &harness::die_with_parent);
+  m.def("simulate_capture_for_tests", &simulate_capture_for_tests,
+        "Tests only: every call is made as if a CUDA graph were being captured");
   m.def("serve_worker", [] {
     py::gil_scoped_release release;  // Python backends take it when they run
     return harness::serve_worker();

@@ -17,6 +17,9 @@
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <algorithm>
+#include <optional>
+
 #include "kernelgate/op.h"
 
 namespace kernelgate {
@@ -64,6 +67,27 @@ std::vector<at::Tensor> tensors_of(const py::handle& r, const std::string& what)
     one(r);
   }
   return out;
+}
+
+// `fn` itself, or for a "module:attr" string the callable it names, imported now: library
+// backends are registered at `import kernelgate` without importing their library (seconds),
+// which happens at their first call. An import error becomes a c10::Error naming `what`.
+py::object resolve(const py::object& fn, const std::string& what) {
+  if (!py::isinstance<py::str>(fn)) return fn;
+  const std::string spec = fn.cast<std::string>();
+  const size_t colon = spec.find(':');
+  try {
+    py::object obj = py::module_::import(spec.substr(0, colon).c_str());
+    size_t at = colon + 1;
+    while (at <= spec.size()) {
+      const size_t dot = std::min(spec.find('.', at), spec.size());
+      obj = obj.attr(spec.substr(at, dot - at).c_str());
+      at = dot + 1;
+    }
+    return obj;
+  } catch (py::error_already_set& e) {
+    TORCH_CHECK(false, what, ": cannot import ", spec, ": ", e.what());
+  }
 }
 
 // Calls `fn`; a Python exception becomes a c10::Error naming `what`.
@@ -114,6 +138,7 @@ class PythonBackend final : public BackendImpl {
   // Returns the outputs, or the outputs and the extras (required when gradients are needed).
   void forward(torch::jit::Stack& s, GradRequest need) const override {
     py::gil_scoped_acquire gil;
+    if (!resolved_) resolve_callables();
     py::tuple args = pop_args(s, p_.nargs);
     auto got = tensors_of(call(*fwd_, args, fwd_what_), fwd_what_);
     const bool extras_needed = need.any() && p_.n_extra > 0;
@@ -130,6 +155,7 @@ class PythonBackend final : public BackendImpl {
   void backward(torch::jit::Stack& s, GradRequest) const override {
     py::gil_scoped_acquire gil;
     TORCH_INTERNAL_ASSERT(bwd_ != nullptr);
+    if (!resolved_) resolve_callables();
     py::tuple args = pop_args(s, p_.n_bwd_args);
     auto got = tensors_of(call(*bwd_, args, bwd_what_), bwd_what_);
     TORCH_CHECK(got.size() == p_.n_grads, what_, " backward returned ", got.size(),
@@ -140,12 +166,131 @@ class PythonBackend final : public BackendImpl {
   bool has_backward() const override { return bwd_ != nullptr; }
 
  private:
+  // Under the GIL, which makes it happen once.
+  void resolve_callables() const {
+    *fwd_ = resolve(*fwd_, fwd_what_);
+    if (bwd_ != nullptr) *bwd_ = resolve(*bwd_, bwd_what_);
+    resolved_ = true;
+  }
+
   std::string what_, fwd_what_, bwd_what_;
   Protocol p_;
   // Leaked on purpose (see the note at the top).
   py::object* fwd_;
   py::object* bwd_;
+  mutable bool resolved_ = false;
 };
+
+// What a backend declares it needs of a call (kg.register_backend's device, dtypes, variants and
+// present), checked in C++ on the hot path: no Python, no GIL.
+struct Requirements {
+  std::optional<c10::DeviceType> device;
+  std::vector<c10::ScalarType> dtypes;  // of the call's first tensor; empty: any
+  std::vector<bool> variant_ok;         // per variant index; empty: every variant
+  std::vector<int> present;             // optional tensor arguments that must be given
+  bool capturable = true;               // false: it syncs with the host
+  const char* device_reason = "";
+  const char* dtype_reason = "";
+  const char* variant_reason = "";
+  std::vector<const char*> present_reason;
+  bool any() const {
+    return device || !dtypes.empty() || !variant_ok.empty() || !present.empty() || !capturable;
+  }
+};
+
+std::string join(const std::vector<std::string>& v, const char* sep) {
+  std::string s;
+  for (const auto& x : v) s += (s.empty() ? "" : sep) + x;
+  return s;
+}
+
+Requirements requirements_of(const OpContract& c, const py::dict& spec, const std::string& what) {
+  Requirements r;
+  if (spec.contains("device") && !spec["device"].is_none()) {
+    const std::string d = spec["device"].cast<std::string>();
+    r.device = c10::Device(d).type();
+    r.device_reason = intern("runs on " + d + " tensors only");
+  }
+  if (spec.contains("dtypes")) {
+    std::vector<std::string> names;
+    for (const auto& t : spec["dtypes"]) {
+      TORCH_CHECK(THPDtype_Check(t.ptr()), what, ": dtypes must be torch dtypes");
+      r.dtypes.push_back(reinterpret_cast<THPDtype*>(t.ptr())->scalar_type);
+      std::string n = py::str(t);  // "torch.float32"
+      names.push_back(n.substr(n.find('.') + 1));
+    }
+    r.dtype_reason = intern("implements " + join(names, ", ") + " only");
+  }
+  if (spec.contains("variants")) {
+    // Mixed radix, as variant_of: the allowed values of each argument, every combination.
+    size_t total = 1;
+    for (const auto& [name, values] : c.variant_args) total *= values.size();
+    r.variant_ok.assign(total, true);
+    std::vector<std::string> said;
+    for (const auto& [k, v] : spec["variants"].cast<py::dict>()) {
+      const std::string arg = k.cast<std::string>();
+      const auto allowed = v.cast<std::vector<std::string>>();
+      size_t stride = 1, pos = c.variant_args.size();
+      for (size_t i = c.variant_args.size(); i-- > 0;) {
+        if (c.variant_args[i].first == arg) {
+          pos = i;
+          break;
+        }
+        stride *= c.variant_args[i].second.size();
+      }
+      TORCH_CHECK(pos < c.variant_args.size(), what, ": variants: '", arg,
+                  "' is not a variant argument of ", c.name);
+      const auto& values = c.variant_args[pos].second;
+      for (const auto& a : allowed) {
+        TORCH_CHECK(std::find(values.begin(), values.end(), a) != values.end(), what,
+                    ": variants: ", arg, " has no value '", a, "' (it takes ",
+                    join(values, ", "), ")");
+      }
+      for (size_t index = 0; index < total; ++index) {
+        const std::string& value = values[(index / stride) % values.size()];
+        if (std::find(allowed.begin(), allowed.end(), value) == allowed.end())
+          r.variant_ok[index] = false;
+      }
+      said.push_back(arg + " " + join(allowed, " or "));
+    }
+    r.variant_reason = intern("implements " + join(said, ", ") + " only");
+  }
+  if (spec.contains("capturable")) r.capturable = spec["capturable"].cast<bool>();
+  if (spec.contains("present")) {
+    for (const auto& n : spec["present"]) {
+      const std::string arg = n.cast<std::string>();
+      int pos = -1;
+      for (size_t i = 0; i < c.tensor_args.size(); ++i) {
+        if (c.tensor_args[i].name == arg) pos = static_cast<int>(i);
+      }
+      TORCH_CHECK(pos >= 0, what, ": present: ", c.name, " has no tensor argument '", arg, "'");
+      r.present.push_back(pos);
+      r.present_reason.push_back(intern("needs " + arg + " (it is absent)"));
+    }
+  }
+  return r;
+}
+
+Support check(const Requirements& r, const CallView& call) {
+  if (r.device && call.device().type() != *r.device) return Support::no(r.device_reason);
+  if (!r.dtypes.empty()) {
+    for (int i = 0; i < call.num_tensors; ++i) {
+      const at::Tensor* t = call.tensors[i];
+      if (t == nullptr || !t->defined()) continue;
+      if (std::find(r.dtypes.begin(), r.dtypes.end(), t->scalar_type()) == r.dtypes.end())
+        return Support::no(r.dtype_reason);
+      break;
+    }
+  }
+  if (!r.variant_ok.empty() && !r.variant_ok[call.variant]) return Support::no(r.variant_reason);
+  for (size_t i = 0; i < r.present.size(); ++i) {
+    const at::Tensor* t = call.tensors[r.present[i]];
+    if (t == nullptr || !t->defined()) return Support::no(r.present_reason[i]);
+  }
+  if (!r.capturable && stream_capturing())
+    return Support::no("syncs with the host, which CUDA-graph capture forbids");
+  return Support::yes();
+}
 
 CanImplement python_can_implement(py::object fn, std::string what) {
   auto* held = new py::object(std::move(fn));  // leaked: see the note at the top
@@ -274,8 +419,9 @@ py::object FastOp::call(const py::args& args) const {
 }
 
 int register_python_backend(const std::string& op, const std::string& name, py::object forward,
-                            py::object backward, py::object can_implement, bool available,
-                            const std::string& reason, const std::string& version) {
+                            py::object backward, py::object can_implement,
+                            const py::dict& requirements, bool available, const std::string& reason,
+                            const std::string& version) {
   const OpEntry* e = Dispatcher::get().find_op(op);
   if (e == nullptr) throw py::value_error("unknown op '" + op + "'");
   BackendDesc d;
@@ -289,9 +435,17 @@ int register_python_backend(const std::string& op, const std::string& name, py::
     d.impl =
         std::make_shared<PythonBackend>(op + " backend '" + name + "'", protocol_of(e->contract),
                                         std::move(forward), std::move(backward));
-    if (!can_implement.is_none()) {
-      d.can_implement =
-          python_can_implement(std::move(can_implement), op + " backend '" + name + "'");
+    const std::string what = op + " backend '" + name + "'";
+    CanImplement python;
+    if (!can_implement.is_none()) python = python_can_implement(std::move(can_implement), what);
+    Requirements r = requirements_of(e->contract, requirements, what);
+    if (r.any()) {
+      d.can_implement = [r = std::move(r), python](const CallView& call) {
+        const Support s = check(r, call);
+        return s.ok && python ? python(call) : s;
+      };
+    } else {
+      d.can_implement = std::move(python);
     }
   }
   py::gil_scoped_release

@@ -33,12 +33,16 @@ class FastOp {
 
 // Adds a Python backend to `op`: forward(*op_args) -> outputs [+ extras]; backward (None:
 // forward only) (*_<op>_bwd args without the mask) -> one gradient per differentiable tensor
-// argument; can_implement(*tensor_args) -> True / None (yes), False or a reason (no). An
-// unavailable backend is listed with `reason`. `version` joins its evidence's fingerprint.
+// argument; can_implement(*tensor_args) -> True / None (yes), False or a reason (no); requirements:
+// what is checked in C++ before it ("device": "cuda", "dtypes": [...], "variants": {arg:
+// [values]}, "present": [optional tensor args]). forward / backward may be "module:attr"
+// strings, imported at the first call. An unavailable backend is listed with `reason`.
+// `version` joins its evidence's fingerprint.
 int register_python_backend(const std::string& op, const std::string& name,
                             pybind11::object forward, pybind11::object backward,
-                            pybind11::object can_implement, bool available,
-                            const std::string& reason, const std::string& version);
+                            pybind11::object can_implement, const pybind11::dict& requirements,
+                            bool available, const std::string& reason,
+                            const std::string& version);
 
 // Defines an op from a spec (kernelgate/_define.py builds it): schema, dims, dtypes, test
 // values, dim ranges, production shapes, variants, index ranges, dim multiples, no_grad,

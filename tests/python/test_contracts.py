@@ -110,9 +110,15 @@ REFUSES_DOUBLE_BACKWARD = {"add_rms_norm", "rope", "linear_cross_entropy"}
 REFUSAL = r"double backward \(create_graph=True\) is not supported"
 
 
-def serves_device(backend: str, device: str) -> bool:
-    """Backends named for a device (kernelgate_cpu, kernelgate_cuda_narrow_accum) serve only that
-    device's tensors; every other one (reference, aten, Python backends) serves both."""
+LIBRARY_BACKENDS = {(b.op, b.name) for b in kg.backends.BACKENDS}  # the field's libraries: CUDA only
+
+
+def serves_device(op: str, backend: str, device: str) -> bool:
+    """Backends named for a device (kernelgate_cpu, kernelgate_cuda_narrow_accum) and the field's
+    libraries' (CUDA) serve only that device's tensors; every other one (reference, aten, Python
+    backends) serves both."""
+    if (op, backend) in LIBRARY_BACKENDS:
+        return device == "cuda"
     tokens = set(backend.split("_"))
     if "cpu" in tokens:
         return device == "cpu"
@@ -122,13 +128,15 @@ def serves_device(backend: str, device: str) -> bool:
 
 
 def backends(op: str, device: str):
-    """The op's backends for the device. On the GPU, built-in backends are listed even where they
-    are unavailable: each GPU test asserts it is available, so none goes missing silently."""
+    """The op's backends for the device. On the GPU, built-in and library backends are listed even
+    where they are unavailable: each GPU test asserts it is available, so none goes missing
+    silently (the GPU machine gets the libraries' wheels)."""
     out = []
     for b in INFO[op]["backends"]:
-        if not serves_device(b["name"], device):
+        if not serves_device(op, b["name"], device):
             continue
-        if b["available"] or (device == "cuda" and b["kind"] != "python"):
+        library = (op, b["name"]) in LIBRARY_BACKENDS
+        if b["available"] or (device == "cuda" and (b["kind"] != "python" or library)):
             out.append(b["name"])
     return out
 
@@ -677,8 +685,13 @@ KNOWN_CAPTURE_FAILURES = {
 }
 
 
+# Library backends that sync with the host never serve under capture (they are refused there,
+# test_library_backends.py): capturing them would test another backend.
+UNCAPTURABLE = {(b.op, b.name) for b in kg.backends.BACKENDS if not b.capturable}
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("op,backend", GPU_PAIRS)
+@pytest.mark.parametrize("op,backend", [p for p in GPU_PAIRS if tuple(p.values) not in UNCAPTURABLE])
 def test_gpu_cuda_graph_capture_and_replay(op, backend, request):
     require_available(op, backend)
     if (op, backend) in KNOWN_CAPTURE_FAILURES:

@@ -1,0 +1,79 @@
+"""Each library backend's op called the way its library's users call it (the library's own
+autograd Function or public function), with example inputs on the GPU: what a routed call is
+compared with (syncs in tests/python/test_library_backends.py, host time in
+bench/bench_dispatch_libraries.py). Importing this imports the libraries."""
+
+import torch
+
+B, H, S, D, KV, V = 2, 8, 64, 128, 2, 4096
+
+
+def _t(*shape, dtype=torch.bfloat16, grad=True):
+    return torch.randn(*shape, device="cuda", dtype=dtype).requires_grad_(grad)
+
+
+def _rope_inputs():
+    q = _t(B, S, H, D).transpose(1, 2)  # a projection's [b, s, h, d] viewed as [b, h, s, d]
+    k = _t(B, S, KV, D).transpose(1, 2)
+    ang = torch.randn(1, S, D // 2, device="cuda")
+    cos = torch.cat([ang.cos(), ang.cos()], -1).bfloat16()
+    sin = torch.cat([ang.sin(), ang.sin()], -1).bfloat16()
+    return q.detach().requires_grad_(), k.detach().requires_grad_(), cos, sin
+
+
+def _liger():
+    from liger_kernel.ops.cross_entropy import LigerCrossEntropyFunction
+    from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+    from liger_kernel.ops.geglu import LigerGELUMulFunction
+    from liger_kernel.ops.layer_norm import LigerLayerNormFunction
+    from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+    from liger_kernel.ops.rope import LigerRopeFunction
+    from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+
+    rows = B * S
+    return {
+        ("rms_norm", "liger"): (lambda: (_t(rows, 2048), _t(2048), 1e-6),
+                                lambda x, w, eps: LigerRMSNormFunction.apply(x, w, eps, 0.0, "gemma", False)),
+        ("layer_norm", "liger"): (lambda: (_t(rows, 2048), _t(2048), _t(2048), 1e-5),
+                                  lambda x, w, b, eps: LigerLayerNormFunction.apply(x, w, b, eps)),
+        ("swiglu", "liger"): (lambda: (_t(rows, 5632), _t(rows, 5632)), LigerSiLUMulFunction.apply),
+        ("geglu", "liger"): (lambda: (_t(rows, 5632), _t(rows, 5632), "tanh"),
+                             lambda g, u, a: LigerGELUMulFunction.apply(g, u)),
+        ("rope", "liger"): (_rope_inputs, LigerRopeFunction.apply),
+        ("cross_entropy", "liger"): (
+            lambda: (_t(rows, V), torch.randint(0, V, (rows,), device="cuda")),
+            lambda x, t: LigerCrossEntropyFunction.apply(x, t, None, -100, 0.0, 0.0, "mean")[0]),
+        ("linear_cross_entropy", "liger"): (
+            lambda: (_t(rows, 2048), _t(V, 2048), torch.randint(0, V, (rows,), device="cuda")),
+            lambda h, w, t: LigerFusedLinearCrossEntropyFunction.apply(h, w, t)[0]),
+        ("linear_cross_entropy", "liger_fp32_accum"): (
+            lambda: (_t(rows, 2048), _t(V, 2048), torch.randint(0, V, (rows,), device="cuda")),
+            lambda h, w, t: LigerFusedLinearCrossEntropyFunction.apply(
+                h, w, t, None, None, -100, 0.0, 0.0, "mean", None, False, torch.float32)[0]),
+    }
+
+
+def _fla():
+    from fla.modules.activations.ops import swiglu
+    from fla.modules.norm.layernorm import layer_norm, rms_norm
+
+    rows = B * S
+    return {
+        ("rms_norm", "fla"): (lambda: (_t(rows, 2048), _t(2048), 1e-6),
+                              lambda x, w, eps: rms_norm(x, w, None, eps=eps)),
+        ("layer_norm", "fla"): (lambda: (_t(rows, 2048), _t(2048), _t(2048), 1e-5),
+                                lambda x, w, b, eps: layer_norm(x, w, b, eps=eps)),
+        ("swiglu", "fla"): (lambda: (_t(rows, 5632), _t(rows, 5632)), swiglu),
+    }
+
+
+class _Direct(dict):
+    """(op, backend) -> (make inputs, the library's own call); a library is imported when first
+    asked for."""
+
+    def __missing__(self, key):
+        self.update(_liger() if key[1].startswith("liger") else _fla())
+        return dict.__getitem__(self, key)
+
+
+DIRECT = _Direct()

@@ -1,0 +1,138 @@
+"""The field's kernel libraries as kernelgate backends, each an optional extra of the package
+(``pip install kernelgate[liger]``, ``kernelgate[fla]``).
+
+Every backend below is registered at ``import kernelgate`` without importing its library (that
+takes seconds; it happens at the backend's first call, or in ``kg.warmup``). It is available
+when its distribution is installed at a version in the range we test, and otherwise listed by
+``kernelgate ops`` as unavailable with the reason. Its evidence's fingerprint carries the
+library's version and a hash of its adapter's code, so evidence of another version or another
+adapter never serves. Like every backend it serves a call only where the shipped or the user's
+evidence shows it correct for the call's region, or where the user forces it.
+"""
+
+import dataclasses
+import importlib.metadata
+import importlib.util
+import re
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclasses.dataclass(frozen=True)
+class Library:
+    extra: str          # pip install kernelgate[extra]
+    dist: str           # its distribution's pip name
+    tested: Tuple[str, str]  # [first, last) versions we test
+    adapter: str        # our adapter module, kernelgate.backends.<adapter>
+
+
+@dataclasses.dataclass(frozen=True)
+class LibraryBackend:
+    library: str
+    op: str
+    name: str
+    forward: str        # functions of the adapter module
+    backward: Optional[str]
+    dtypes: Sequence[torch.dtype] = _FLOATS
+    variants: Optional[Dict[str, List[str]]] = None
+    present: Sequence[str] = ()
+    capturable: bool = True  # False: it syncs with the host, so never under CUDA-graph capture
+
+
+LIBRARIES: Dict[str, Library] = {
+    "liger": Library("liger", "liger-kernel", ("0.8.5", "0.9"), "liger"),
+    "fla": Library("fla", "fla-core", ("0.6.0", "0.7"), "fla"),
+}
+
+BACKENDS: List[LibraryBackend] = [
+    LibraryBackend("liger", "rms_norm", "liger", "rms_norm_fwd", "rms_norm_bwd"),
+    LibraryBackend("liger", "layer_norm", "liger", "layer_norm_fwd", "layer_norm_bwd",
+                   present=("weight", "bias")),
+    LibraryBackend("liger", "swiglu", "liger", "swiglu_fwd", "swiglu_bwd"),
+    LibraryBackend("liger", "geglu", "liger", "geglu_fwd", "geglu_bwd", variants={"approximate": ["tanh"]}),
+    LibraryBackend("liger", "rope", "liger", "rope_fwd", "rope_bwd"),
+    # Liger's cross-entropy counts the valid rows on the host (.item()): not capturable.
+    LibraryBackend("liger", "cross_entropy", "liger", "cross_entropy_fwd", "cross_entropy_bwd", capturable=False),
+    # mean and sum: Liger computes the gradients in its forward; float16 and "none" would need
+    # the recomputing backward our op uses there.
+    LibraryBackend("liger", "linear_cross_entropy", "liger", "linear_cross_entropy_fwd",
+                   "linear_cross_entropy_bwd", dtypes=(torch.float32, torch.bfloat16),
+                   variants={"reduction": ["mean", "sum"]}, capturable=False),
+    LibraryBackend("liger", "linear_cross_entropy", "liger_fp32_accum", "linear_cross_entropy_fp32_accum_fwd",
+                   "linear_cross_entropy_bwd", dtypes=(torch.float32, torch.bfloat16),
+                   variants={"reduction": ["mean", "sum"]}, capturable=False),
+    LibraryBackend("fla", "rms_norm", "fla", "rms_norm_fwd", "rms_norm_bwd"),
+    LibraryBackend("fla", "layer_norm", "fla", "layer_norm_fwd", "layer_norm_bwd"),
+    LibraryBackend("fla", "swiglu", "fla", "swiglu_fwd", "swiglu_bwd"),
+]
+
+
+def release(version: str) -> Tuple[int, ...]:
+    """The release numbers of a version string ("0.8.5.post1" -> (0, 8, 5)); a pre-release
+    ("0.9.0rc1") counts as its release."""
+    m = re.match(r"\s*v?(\d+(?:\.\d+)*)", version)
+    return tuple(int(p) for p in m.group(1).split(".")) if m else ()
+
+
+def _within(version: str, tested: Tuple[str, str]) -> bool:
+    v = release(version)
+    return release(tested[0]) <= v < release(tested[1])
+
+
+def status(lib: Library) -> Tuple[bool, str, str]:
+    """(available, reason, version): the library's distribution installed at a tested version?"""
+    try:
+        version = importlib.metadata.version(lib.dist)
+    except importlib.metadata.PackageNotFoundError:
+        return False, f"{lib.dist} is not installed (pip install kernelgate[{lib.extra}])", ""
+    if not _within(version, lib.tested):
+        return False, (f"{lib.dist} {version} is installed; kernelgate tests {lib.dist} >= {lib.tested[0]}, "
+                       f"< {lib.tested[1]} (pip install kernelgate[{lib.extra}])"), version
+    return True, "", version
+
+
+def _adapter_hash(adapter: str) -> str:
+    """A hash of the adapter module's code, read without importing it (which would import the
+    library): comments and blank lines left out."""
+    from .._define import source_hash
+
+    spec = importlib.util.find_spec(f"{__name__}.{adapter}")
+    with open(spec.origin, encoding="utf-8") as f:
+        return source_hash(f.read())
+
+
+def install() -> None:
+    """Registers every library backend (once per process)."""
+    from .._define import register_library_backend
+
+    hashes: Dict[str, str] = {}
+    for b in BACKENDS:
+        lib = LIBRARIES[b.library]
+        available, reason, version = status(lib)
+        if available and lib.adapter not in hashes:
+            hashes[lib.adapter] = _adapter_hash(lib.adapter)
+        module = f"{__name__}.{lib.adapter}"
+        register_library_backend(
+            b.op, b.name,
+            forward=f"{module}:{b.forward}",
+            backward=None if b.backward is None else f"{module}:{b.backward}",
+            requirements={"device": "cuda", "dtypes": list(b.dtypes),
+                          **({"variants": b.variants} if b.variants else {}),
+                          **({"present": list(b.present)} if b.present else {}),
+                          **({} if b.capturable else {"capturable": False})},
+            available=available, reason=reason,
+            version=f"{lib.dist}=={version};code={hashes[lib.adapter]}" if available else "")
+
+
+def libraries() -> List[dict]:
+    """Each library: its extra, distribution, tested range, installed version and availability."""
+    out = []
+    for name, lib in LIBRARIES.items():
+        available, reason, version = status(lib)
+        out.append({"library": name, "extra": lib.extra, "dist": lib.dist, "tested": list(lib.tested),
+                    "installed": version, "available": available, "reason": reason,
+                    "backends": [f"{b.op}/{b.name}" for b in BACKENDS if b.library == name]})
+    return out

@@ -1,0 +1,415 @@
+"""The field's libraries as backends (kernelgate.backends): availability and its reasons, the
+requirements checked in C++ (device, dtypes, variants, present optionals), lazy import, the
+fingerprint, and on the CPU the fallback from every library backend. test_contracts.py checks
+every library backend on the GPU like every other backend: the float64 oracle forward and every
+gradient on the generated cases, inputs (and cotangents) unmodified, opcheck, torch.compile, CUDA
+graphs. Here on the GPU: no device-to-host sync beyond what the library's own call does."""
+
+import importlib.metadata
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+import torch
+
+import kernelgate as kg
+from kernelgate import backends
+
+INFO = {o["name"]: o for o in kg.ops()}
+BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "bench")
+
+
+def backend_info(op, name):
+    return next(b for b in INFO[op]["backends"] if b["name"] == name)
+
+
+def installed(dist):
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+# ---- the table -----------------------------------------------------------------------------------
+
+def test_every_library_backend_is_listed_with_its_availability_and_version():
+    for b in backends.BACKENDS:
+        lib = backends.LIBRARIES[b.library]
+        info = backend_info(b.op, b.name)
+        assert info["kind"] == "python"
+        version = installed(lib.dist)
+        ok = version is not None and backends._within(version, lib.tested)
+        assert info["available"] == ok, (b, info)
+        if ok:
+            assert info["version"].startswith(f"{lib.dist}=={version};code="), info
+            assert info["reason"] == ""
+        else:
+            assert lib.dist in info["reason"] and f"kernelgate[{lib.extra}]" in info["reason"], info
+
+
+@pytest.mark.skipif(os.environ.get("CI") != "true", reason="CI installs the libraries (requirements-dev.txt)")
+def test_ci_installs_liger_and_fla():
+    for lib in ("liger", "fla"):
+        assert backends.status(backends.LIBRARIES[lib])[0], backends.status(backends.LIBRARIES[lib])
+
+
+def test_release_numbers_and_the_tested_range():
+    assert backends.release("0.8.5") == (0, 8, 5)
+    assert backends.release("0.8.5.post1") == (0, 8, 5)
+    assert backends.release("0.9.0rc1") == (0, 9, 0)
+    assert backends.release("v1.2") == (1, 2)
+    assert backends._within("0.8.5", ("0.8.5", "0.9"))
+    assert backends._within("0.8.12", ("0.8.5", "0.9"))
+    assert not backends._within("0.8.4", ("0.8.5", "0.9"))
+    assert not backends._within("0.9.0", ("0.8.5", "0.9"))
+    assert not backends._within("1.0", ("0.8.5", "0.9"))
+
+
+def test_a_library_that_is_not_installed_says_how_to_install_it():
+    lib = backends.Library("nosuch", "kernelgate-no-such-dist", ("1.0", "2"), "liger")
+    ok, reason, version = backends.status(lib)
+    assert not ok and version == ""
+    assert reason == "kernelgate-no-such-dist is not installed (pip install kernelgate[nosuch])"
+
+
+def test_a_library_outside_the_tested_range_is_unavailable_with_the_reason(tmp_path):
+    """A fake liger-kernel 0.7.0 first on the path: every Liger backend is unavailable, says why,
+    and explain and the dispatcher pass it by; the library is never imported."""
+    dist = tmp_path / "liger_kernel-0.7.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: liger-kernel\nVersion: 0.7.0\n")
+    code = textwrap.dedent("""
+        import sys, torch, kernelgate as kg
+        info = {o["name"]: o for o in kg.ops()}
+        b = next(b for b in info["rms_norm"]["backends"] if b["name"] == "liger")
+        print(b["available"], b["reason"], sep="|")
+        x = torch.randn(3, 8)
+        with kg.use(force={"rms_norm": "liger"}):
+            e = kg.explain("rms_norm", x, None)
+            y = kg.rms_norm(x)
+        print(e.backend, [c.reason for c in e.candidates if c.backend == "liger"][0], sep="|")
+        print("liger_kernel" in sys.modules)
+    """)
+    env = dict(os.environ, PYTHONPATH=str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    want = "liger-kernel 0.7.0 is installed; kernelgate tests liger-kernel >= 0.8.5, < 0.9"
+    assert lines[0].startswith("False|" + want), lines
+    backend, reason = lines[1].split("|")
+    assert backend != "liger" and reason.startswith("not available: " + want), lines
+    assert lines[2] == "False", "the library was imported"
+
+
+# ---- requirements, checked in C++ ------------------------------------------------------------------
+
+def test_requirements_of_a_python_backend():
+    """device, dtypes, variants and present of kg.register_backend on a CPU op: each a reason in
+    explain, and a call that meets them all is served (forced)."""
+    calls = []
+
+    def fwd(gate, up, approximate):
+        calls.append(approximate)
+        return torch.ops.kernelgate._geglu_reference(gate, up, approximate)
+
+    kg.register_backend("geglu", "test_requirements", fwd, device="cpu", dtypes=[torch.float32],
+                        variants={"approximate": ["none"]})
+    g = torch.randn(4, 8)
+
+    def reason(*args):
+        with kg.use(force={"geglu": "test_requirements"}):
+            e = kg.explain("geglu", *args)
+        return e.backend, next(c.reason for c in e.candidates if c.backend == "test_requirements")
+
+    assert reason(g, g, "tanh")[1] == "ranked #1 but cannot implement this call: implements approximate none only"
+    assert reason(g.half(), g.half(), "none")[1] == "ranked #1 but cannot implement this call: implements float32 only"
+    assert reason(g, g, "none")[0] == "test_requirements"
+    with kg.use(force={"geglu": "test_requirements"}):
+        y = kg.geglu(g, g, "none")
+    assert calls == ["none"]
+    torch.testing.assert_close(y, torch.nn.functional.gelu(g) * g)
+
+    kg.register_backend("layer_norm", "test_present", lambda x, w, b, eps: None, present=["bias"], device="cuda")
+    with kg.use(force={"layer_norm": "test_present"}):
+        e = kg.explain("layer_norm", torch.randn(2, 8), torch.randn(8), None)
+    got = next(c.reason for c in e.candidates if c.backend == "test_present")
+    assert got == "ranked #1 but cannot implement this call: runs on cuda tensors only", got
+
+
+@pytest.mark.gpu
+def test_gpu_library_requirements_are_reasons_in_explain():
+    g = torch.randn(4, 8, device="cuda")
+    cases = [
+        ("geglu", "liger", (g, g, "none"), "implements approximate tanh only"),
+        ("linear_cross_entropy", "liger", (g.half(), torch.randn(16, 8, device="cuda").half(),
+                                           torch.zeros(4, dtype=torch.long, device="cuda")),
+         "implements float32, bfloat16 only"),
+        ("linear_cross_entropy", "liger", (g, torch.randn(16, 8, device="cuda"),
+                                           torch.zeros(4, dtype=torch.long, device="cuda"), None, -100, 0.0, "none"),
+         "implements reduction mean or sum only"),
+        ("layer_norm", "liger", (g, torch.randn(8, device="cuda"), None), "needs bias (it is absent)"),
+    ]
+    for op, name, args, reason in cases:
+        with kg.use(force={op: name}):
+            e = kg.explain(op, *args)
+        got = next(c.reason for c in e.candidates if c.backend == name)
+        assert e.backend != name and got == "ranked #1 but cannot implement this call: " + reason, (op, got)
+
+
+@pytest.mark.parametrize("kwargs,error", [
+    (dict(device="tpu"), "device must be 'cuda', 'cpu' or None"),
+    (dict(dtypes=["float32"]), "dtypes must be a non-empty list of torch dtypes"),
+    (dict(variants={"reduction": ["mean"]}), "geglu has no variant argument 'reduction'"),
+    (dict(variants={"approximate": ["erf"]}), "approximate must be a non-empty list of"),
+    (dict(present=["bias"]), "geglu has no tensor argument 'bias'"),
+])
+def test_bad_requirements_are_clear_errors(kwargs, error):
+    with pytest.raises((ValueError, TypeError), match=error):
+        kg.register_backend("geglu", "test_bad_requirements", lambda g, u, a: g, **kwargs)
+
+
+# ---- lazy import -------------------------------------------------------------------------------
+
+def test_library_backends_import_their_library_only_when_called():
+    code = "import sys, kernelgate; print(any(m.split('.')[0] in ('liger_kernel', 'fla') for m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
+def test_a_backend_named_by_module_and_attr_that_cannot_be_imported_fails_at_its_call():
+    from kernelgate._define import register_library_backend
+
+    register_library_backend("swiglu", "test_lazy_missing", forward="kernelgate_no_such_module:fwd", backward=None,
+                             requirements={"device": "cpu"}, available=True, reason="", version="")
+    g = torch.randn(2, 4)
+    with kg.use(force={"swiglu": "test_lazy_missing"}):
+        with pytest.raises(RuntimeError, match="swiglu backend 'test_lazy_missing' forward: cannot import "
+                                               "kernelgate_no_such_module:fwd"):
+            kg.swiglu(g, g)
+
+
+# ---- the CPU: every library backend falls back ---------------------------------------------------
+
+@pytest.mark.parametrize("op,name", [(b.op, b.name) for b in backends.BACKENDS], ids=lambda v: str(v))
+def test_on_the_cpu_a_forced_library_backend_falls_back(op, name, caplog):
+    if not backend_info(op, name)["available"]:
+        pytest.skip(f"{op}/{name} unavailable here: {backend_info(op, name)['reason']}")
+    from test_contracts import call_args, cases, op_fn, reference_op
+
+    cid, enc = cases(op, regime="normal", grad="0", layout="contiguous", strings="")[0]
+    args, _ = call_args(enc, "cpu")
+    with kg.use(force={op: name}):
+        e = kg.explain(op, *args)
+        got = op_fn(op)(*args)
+    assert e.backend != name
+    assert next(c.reason for c in e.candidates if c.backend == name).endswith("runs on cuda tensors only")
+    want = reference_op(op)(*args)
+    for g, w in zip(got if isinstance(got, (tuple, list)) else [got], want if isinstance(want, (tuple, list)) else [want]):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_adapter_code_hash_ignores_comments():
+    from kernelgate._define import source_hash
+
+    a = "def f(x):\n    return x + 1\n"
+    assert source_hash(a) == source_hash("# a note\ndef f(x):  # why\n\n    return x + 1\n")
+    assert source_hash(a) != source_hash("def f(x):\n    return x + 2\n")
+
+
+# ---- GPU: no sync beyond the library's own -----------------------------------------------------------
+
+def _syncs(fn):
+    """Device-to-host syncs `fn` makes (PyTorch's sync debug mode, as warnings)."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in seen)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op,name", [(b.op, b.name) for b in backends.BACKENDS], ids=lambda v: str(v))
+def test_gpu_a_routed_library_call_syncs_no_more_than_the_library(op, name):
+    sys.path.insert(0, BENCH)
+    from library_calls import DIRECT
+
+    assert backend_info(op, name)["available"], backend_info(op, name)["reason"]
+    make, direct = DIRECT[op, name]
+    args = make()
+
+    def routed():
+        with kg.use(force={op: name}):
+            out = getattr(kg, op)(*args)
+        (out[0] if isinstance(out, tuple) else out).float().sum().backward()
+
+    def library():
+        out = direct(*args)
+        (out[0] if isinstance(out, tuple) else out).float().sum().backward()
+
+    routed(), library()  # compiled and autotuned outside the count
+    with kg.use(force={op: name}):
+        assert kg.explain(op, *args).backend == name
+    assert _syncs(routed) <= _syncs(library)
+
+
+# ---- warmup and the CUDA-graph rule for JIT (Python) backends -------------------------------------
+
+@pytest.fixture
+def simulated_capture():
+    """Every call made as if a CUDA graph were being captured, while `on` is set."""
+    state = {"on": False}
+
+    def set_on(on):
+        state["on"] = on
+        kg._C.simulate_capture_for_tests(on)
+
+    try:
+        yield set_on
+    finally:
+        kg._C.simulate_capture_for_tests(False)
+
+
+def test_under_capture_a_python_backend_serves_only_calls_it_served_eagerly(simulated_capture, caplog):
+    ran = []
+
+    def fwd(gate, up):
+        ran.append(tuple(gate.shape))
+        return torch.ops.kernelgate._swiglu_reference(gate, up)
+
+    def bwd(dc, gate, up):
+        ran.append("bwd")
+        s = torch.sigmoid(gate)
+        return dc * up * s * (1 + gate * (1 - s)), dc * gate * s
+
+    kg.register_backend("swiglu", "test_jit", fwd, bwd, device="cpu")
+    g = torch.randn(3, 40)
+    with kg.use(force={"swiglu": "test_jit"}):
+        simulated_capture(True)
+        with caplog.at_level("INFO", logger="kernelgate"):
+            y = kg.swiglu(g, g)  # never served eagerly: the next backend serves
+        assert ran == []
+        torch.testing.assert_close(y, torch.nn.functional.silu(g) * g)
+        assert any("not warm for CUDA-graph capture" in r.getMessage() for r in caplog.records), caplog.text
+        simulated_capture(False)
+        kg.swiglu(g, g)  # eagerly: now warm
+        assert ran == [(3, 40)]
+        simulated_capture(True)
+        kg.swiglu(g, g)
+        assert ran == [(3, 40), (3, 40)]
+        kg.swiglu(torch.randn(3, 4000), torch.randn(3, 4000))  # another key: not warm
+        assert len(ran) == 2
+
+        # Training calls: forward and backward are warmed separately, by kg.warmup here.
+        x = torch.randn(5, 24, requires_grad=True)
+        kg.swiglu(x, x).sum().backward()
+        assert len(ran) == 2
+        simulated_capture(False)
+        report = kg.warmup("swiglu", x, x)
+        assert report.served == [{"backend": "test_jit", "ran": "forward+backward"}] and report.seconds > 0
+        assert ran[2:] == [(5, 24), "bwd"]
+        simulated_capture(True)
+        kg.swiglu(x, x).sum().backward()
+        assert ran[4:] == [(5, 24), "bwd"]
+
+
+def test_warmup_errors_and_calls():
+    with pytest.raises(ValueError, match="give swiglu an example call"):
+        kg.warmup("swiglu")
+    with pytest.raises(ValueError, match="calls is empty"):
+        kg.warmup("swiglu", calls=[])
+    with pytest.raises(ValueError, match="unknown op 'nosuch'"):
+        kg.warmup("nosuch", torch.randn(2))
+    with pytest.raises(RuntimeError):
+        kg.warmup("swiglu", torch.randn(2, 3), torch.randn(2, 4))
+    x = torch.randn(2, 8)
+    report = kg.warmup("rms_norm", calls=[(x, None), (x.half(), None, 1e-5)])
+    assert [s["ran"] for s in report.served] == ["forward", "forward"]
+
+
+def test_a_backend_that_syncs_is_refused_under_capture(simulated_capture):
+    """Liger's cross-entropy counts the valid rows on the host (.item()): never under capture."""
+    for b in backends.BACKENDS:
+        if b.capturable or not backend_info(b.op, b.name)["available"]:
+            continue
+        kg.register_backend(b.op, f"test_uncapturable_{b.name}", lambda *a: None, device="cpu", capturable=False)
+        from test_contracts import call_args, cases
+
+        args, _ = call_args(cases(b.op, regime="normal", grad="0", layout="contiguous", strings="")[0][1], "cpu")
+        with kg.use(force={b.op: f"test_uncapturable_{b.name}"}):
+            simulated_capture(True)
+            e = kg.explain(b.op, *args)
+            simulated_capture(False)
+        reason = next(c.reason for c in e.candidates if c.backend == f"test_uncapturable_{b.name}")
+        assert e.backend != f"test_uncapturable_{b.name}"
+        assert reason.endswith("syncs with the host, which CUDA-graph capture forbids"), reason
+
+
+# Each library backend's kernels, as the profiler names them: a launch witness.
+KERNELS = {
+    ("rms_norm", "liger"): "rms_norm_forward_kernel", ("layer_norm", "liger"): "_layer_norm_forward_kernel",
+    ("swiglu", "liger"): "_swiglu_forward_kernel", ("geglu", "liger"): "_geglu_tanh_forward_kernel",
+    ("rope", "liger"): "_triton_rope", ("cross_entropy", "liger"): "liger_cross_entropy_kernel",
+    ("linear_cross_entropy", "liger"): "liger_cross_entropy_kernel",
+    ("linear_cross_entropy", "liger_fp32_accum"): "liger_cross_entropy_kernel",
+    ("rms_norm", "fla"): "layer_norm_fwd_kernel", ("layer_norm", "fla"): "layer_norm_fwd_kernel",
+    ("swiglu", "fla"): "swiglu_fwd_kernel",
+}
+
+
+def test_every_library_backend_has_a_launch_witness():
+    assert set(KERNELS) == {(b.op, b.name) for b in backends.BACKENDS}
+
+
+def _kernels(fn):
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op,name", [(b.op, b.name) for b in backends.BACKENDS], ids=lambda v: str(v))
+def test_gpu_warm_library_backend_launch_witness_and_capture(op, name):
+    """After kg.warmup, the forced call runs the library's kernels and none of ours (profiler
+    device events); a capturable backend's forward captured on a side stream replays
+    bit-identically to the eager call. (The rule for cold shapes under capture is tested on the
+    CPU with a simulated capture.)"""
+    sys.path.insert(0, BENCH)
+    from library_calls import DIRECT
+
+    assert backend_info(op, name)["available"], backend_info(op, name)["reason"]
+    make, _ = DIRECT[op, name]
+    args = make()
+    with kg.use(force={op: name}):
+        report = kg.warmup(op, *args)
+        assert report.served[0]["backend"] == name, report
+        names = _kernels(lambda: getattr(kg, op)(*args))
+        assert any(KERNELS[op, name] in n for n in names), names
+        assert not any("kernelgate" in n for n in names), names
+        lib = next(b for b in backends.BACKENDS if (b.op, b.name) == (op, name))
+        if not lib.capturable:
+            return
+        inputs = [a.detach() if torch.is_tensor(a) else a for a in args]
+        kg.warmup(op, *inputs)
+        eager = getattr(kg, op)(*inputs)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(side):
+            with torch.cuda.graph(graph, stream=side):
+                captured = getattr(kg, op)(*inputs)
+        torch.cuda.current_stream().wait_stream(side)
+        graph.replay()
+        torch.cuda.synchronize()
+        for c, e in zip(captured if isinstance(captured, tuple) else [captured], eager if isinstance(eager, tuple) else [eager]):
+            assert torch.equal(c, e)
