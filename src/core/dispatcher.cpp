@@ -129,8 +129,8 @@ struct Dispatcher::Impl {
     }
     if (warm.count(w) != 0) return Support::yes();
     return Support::no(
-        "not warm for CUDA-graph capture: a JIT backend serves a captured call only after it served "
-        "the same call eagerly (kg.warmup)");
+        "not warm for CUDA-graph capture: a JIT backend serves a captured call only after it "
+        "served the same call eagerly (kg.warmup)");
   }
   mutable std::mutex mu;  // registry, overrides, policy, decision map
   std::vector<std::unique_ptr<OpEntry>> ops;

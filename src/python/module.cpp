@@ -251,9 +251,8 @@ py::dict run_sweep(const std::string& op, const std::vector<std::string>& backen
 // What `kernelgate rerank` runs for `op`: the (backend, case id) runs that borrowed evidence
 // shows correct and its lender timed, which the user's store does not hold
 // (UsableEvidence::to_rerank: not those far slower on the lender).
-std::vector<std::pair<std::string, std::string>> rerank_plan(const std::string& op,
-                                                             const std::string& db,
-                                                             const std::vector<std::string>& shipped) {
+std::vector<std::pair<std::string, std::string>> rerank_plan(
+    const std::string& op, const std::string& db, const std::vector<std::string>& shipped) {
   const auto evidence = harness::usable_evidence(db, shipped, harness::current_fingerprints(op));
   std::vector<std::pair<std::string, std::string>> out;
   for (const auto& [o, backend, case_id] : evidence.to_rerank) {
@@ -506,8 +505,7 @@ PYBIND11_MODULE(_C, m) {
   });
   m.def("register_backend", &register_python_backend, py::arg("op"), py::arg("name"),
         py::arg("forward"), py::arg("backward"), py::arg("can_implement"), py::arg("requirements"),
-        py::arg("available"),
-        py::arg("reason"), py::arg("version"));
+        py::arg("available"), py::arg("reason"), py::arg("version"));
   m.def("define_op", [](const py::dict& spec) { return static_cast<int>(define_python_op(spec)); });
   m.def("die_with_parent", &harness::die_with_parent);
   m.def("simulate_capture_for_tests", &simulate_capture_for_tests,

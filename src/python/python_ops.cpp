@@ -243,8 +243,8 @@ Requirements requirements_of(const OpContract& c, const py::dict& spec, const st
       const auto& values = c.variant_args[pos].second;
       for (const auto& a : allowed) {
         TORCH_CHECK(std::find(values.begin(), values.end(), a) != values.end(), what,
-                    ": variants: ", arg, " has no value '", a, "' (it takes ",
-                    join(values, ", "), ")");
+                    ": variants: ", arg, " has no value '", a, "' (it takes ", join(values, ", "),
+                    ")");
       }
       for (size_t index = 0; index < total; ++index) {
         const std::string& value = values[(index / stride) % values.size()];

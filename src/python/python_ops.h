@@ -41,8 +41,7 @@ class FastOp {
 int register_python_backend(const std::string& op, const std::string& name,
                             pybind11::object forward, pybind11::object backward,
                             pybind11::object can_implement, const pybind11::dict& requirements,
-                            bool available, const std::string& reason,
-                            const std::string& version);
+                            bool available, const std::string& reason, const std::string& version);
 
 // Defines an op from a spec (kernelgate/_define.py builds it): schema, dims, dtypes, test
 // values, dim ranges, production shapes, variants, index ranges, dim multiples, no_grad,
