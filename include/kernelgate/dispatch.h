@@ -400,5 +400,10 @@ void set_cuda_arch_provider(int (*provider)(int device_index));
 bool stream_capturing();
 void set_capture_provider(bool (*provider)());
 void simulate_capture_for_tests(bool on);  // CPU tests of the warm-set rule
+// Whether the CUDA-graph rules for Python backends (the warm set, capturable=false) apply; on by
+// default. The sweep's worker turns them off: a timing it captures must run the backend it
+// times, and a backend that cannot be captured must fail the capture, a recorded result.
+bool capture_rules_on();
+void set_capture_rules(bool on);
 
 }  // namespace kernelgate

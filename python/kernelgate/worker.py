@@ -21,6 +21,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     from . import _C, plugins
 
     _C.die_with_parent()  # the kernel ends this worker when the sweep's process ends
+    # A timing the harness captures in a CUDA graph must run the backend it times: without the
+    # capture rules, a backend that cannot be captured fails the capture (recorded as such)
+    # instead of another backend serving it unseen.
+    _C.set_capture_rules(False)
 
     loads = []
     i = 0

@@ -111,6 +111,10 @@ bool stream_capturing() {
 void set_capture_provider(bool (*provider)()) { g_capture_provider.store(provider); }
 void simulate_capture_for_tests(bool on) { g_simulated_capture.store(on); }
 
+std::atomic<bool> g_capture_rules{true};
+bool capture_rules_on() { return g_capture_rules.load(std::memory_order_relaxed); }
+void set_capture_rules(bool on) { g_capture_rules.store(on); }
+
 struct Dispatcher::Impl {
   // The warm set of the CUDA-graph rule (see select): hashes of (key, backend, direction) that a
   // Python backend served outside capture.
@@ -121,6 +125,7 @@ struct Dispatcher::Impl {
     const uint64_t w = static_cast<uint64_t>(key_hash) ^
                        (static_cast<uint64_t>(backend + 1) * 0x9E3779B97F4A7C15ull) ^
                        (backward ? 0xC2B2AE3D27D4EB4Full : 0);
+    if (!capture_rules_on()) return Support::yes();
     const bool capturing = stream_capturing();
     std::lock_guard<std::mutex> lock(warm_mu);
     if (!capturing) {

@@ -510,6 +510,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("die_with_parent", &harness::die_with_parent);
   m.def("simulate_capture_for_tests", &simulate_capture_for_tests,
         "Tests only: every call is made as if a CUDA graph were being captured");
+  m.def("set_capture_rules", &set_capture_rules,
+        "Whether the CUDA-graph rules for Python backends apply (the sweep's worker: off)");
   m.def("serve_worker", [] {
     py::gil_scoped_release release;  // Python backends take it when they run
     return harness::serve_worker();

@@ -287,7 +287,7 @@ Support check(const Requirements& r, const CallView& call) {
     const at::Tensor* t = call.tensors[r.present[i]];
     if (t == nullptr || !t->defined()) return Support::no(r.present_reason[i]);
   }
-  if (!r.capturable && stream_capturing())
+  if (!r.capturable && capture_rules_on() && stream_capturing())
     return Support::no("syncs with the host, which CUDA-graph capture forbids");
   return Support::yes();
 }
