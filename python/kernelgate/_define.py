@@ -66,8 +66,9 @@ def _code_hash(*fns: Optional[Callable]) -> str:
     return h.hexdigest()[:16]
 
 
-def _requirements(op: dict, device: Optional[str], dtypes: Optional[Sequence[torch.dtype]],
-                  variants: Optional[Dict[str, Sequence[str]]], present: Sequence[str]) -> dict:
+def requirements(op: dict, device: Optional[str], dtypes: Optional[Sequence[torch.dtype]],
+                 variants: Optional[Dict[str, Sequence[str]]], present: Sequence[str],
+                 capturable: bool) -> dict:
     """What a backend needs of a call, checked in C++ before its can_implement (no Python on the
     hot path for these)."""
     r: dict = {}
@@ -94,7 +95,19 @@ def _requirements(op: dict, device: Optional[str], dtypes: Optional[Sequence[tor
             if arg not in op["tensor_args"]:
                 raise ValueError(f"present: {op['name']} has no tensor argument '{arg}'")
         r["present"] = list(present)
+    if not capturable:
+        r["capturable"] = False
     return r
+
+
+def _claim(key: Tuple[str, str], given: tuple) -> bool:
+    """False when the same backend was registered before with the same `given` (a module
+    imported twice); raises for another one of that name; True when the name is free."""
+    if key not in _registered:
+        return True
+    if _registered[key] == given:
+        return False
+    raise ValueError(f"{key[0]} already has a backend '{key[1]}'")
 
 
 def register_backend(op: str, name: str, forward: Fn, backward: Optional[Fn] = None, *,
@@ -138,17 +151,13 @@ def register_backend(op: str, name: str, forward: Fn, backward: Optional[Fn] = N
     key = (op, name)
     given = tuple(f if isinstance(f, (str, type(None))) else _code_hash(f)
                   for f in (forward, backward, can_implement)) + (package,)
-    if key in _registered:
-        if _registered[key] == given:
-            return  # the same registration again (a module imported twice)
-        raise ValueError(f"{op} already has a backend '{name}'")
+    if not _claim(key, given):
+        return
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.-]*", name):
         raise ValueError(f"backend name must be an identifier-like string, got {name!r}")
     if can_implement is not None and not callable(can_implement):
         raise TypeError(f"can_implement must be callable, got {type(can_implement).__name__}")
-    requirements = _requirements(ops[op], device, dtypes, variants, present)
-    if not capturable:
-        requirements["capturable"] = False
+    needs = requirements(ops[op], device, dtypes, variants, present, capturable)
     available, reason, version = True, "", ""
     fwd = bwd = None
     if package is not None:
@@ -164,23 +173,22 @@ def register_backend(op: str, name: str, forward: Fn, backward: Optional[Fn] = N
             available, reason = False, f"cannot import it: {exc}"
     if available:
         version = ";".join(v for v in (version, f"code={_code_hash(fwd, bwd, can_implement)}") if v)
-    _C.register_backend(op, name, fwd, bwd, can_implement, requirements, available, reason, version)
+    _C.register_backend(op, name, fwd, bwd, can_implement, needs, available, reason, version)
     _registered[key] = given
     evidence.install()  # the evidence source learns the new backend's fingerprint
 
 
 def register_library_backend(op: str, name: str, *, forward: str, backward: Optional[str],
-                             requirements: dict, available: bool, reason: str, version: str) -> None:
+                             needs: dict, available: bool, reason: str, version: str) -> None:
     """A backend of one of the field's libraries (kernelgate.backends): its forward and backward
-    are "module:attr" strings the engine imports at the first call; `available` and `version`
-    come from the library's installed distribution. The caller installs the evidence after."""
+    are "module:attr" strings the engine imports at the first call; `needs` is requirements()'s;
+    `available` and `version` come from the library's installed distribution. The caller
+    installs the evidence after."""
     key = (op, name)
     given = (forward, backward, None, version)
-    if key in _registered:
-        if _registered[key] == given:
-            return
-        raise ValueError(f"{op} already has a backend '{name}'")
-    _C.register_backend(op, name, forward, backward, None, requirements, available, reason, version)
+    if not _claim(key, given):
+        return
+    _C.register_backend(op, name, forward, backward, None, needs, available, reason, version)
     _registered[key] = given
 
 

@@ -74,19 +74,10 @@ std::vector<at::Tensor> tensors_of(const py::handle& r, const std::string& what)
 // which happens at their first call. An import error becomes a c10::Error naming `what`.
 py::object resolve(const py::object& fn, const std::string& what) {
   if (!py::isinstance<py::str>(fn)) return fn;
-  const std::string spec = fn.cast<std::string>();
-  const size_t colon = spec.find(':');
-  try {
-    py::object obj = py::module_::import(spec.substr(0, colon).c_str());
-    size_t at = colon + 1;
-    while (at <= spec.size()) {
-      const size_t dot = std::min(spec.find('.', at), spec.size());
-      obj = obj.attr(spec.substr(at, dot - at).c_str());
-      at = dot + 1;
-    }
-    return obj;
+  try {  // kg.register_backend's own resolution of "module:attr"
+    return py::module_::import("kernelgate._define").attr("_resolve")(fn, what);
   } catch (py::error_already_set& e) {
-    TORCH_CHECK(false, what, ": cannot import ", spec, ": ", e.what());
+    TORCH_CHECK(false, what, ": cannot import ", fn.cast<std::string>(), ": ", e.what());
   }
 }
 

@@ -184,7 +184,7 @@ def test_a_backend_named_by_module_and_attr_that_cannot_be_imported_fails_at_its
     from kernelgate._define import register_library_backend
 
     register_library_backend("swiglu", "test_lazy_missing", forward="kernelgate_no_such_module:fwd", backward=None,
-                             requirements={"device": "cpu"}, available=True, reason="", version="")
+                             needs={"device": "cpu"}, available=True, reason="", version="")
     g = torch.randn(2, 4)
     with kg.use(force={"swiglu": "test_lazy_missing"}):
         with pytest.raises(RuntimeError, match="swiglu backend 'test_lazy_missing' forward: cannot import "

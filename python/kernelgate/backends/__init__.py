@@ -106,25 +106,22 @@ def _adapter_hash(adapter: str) -> str:
 
 def install() -> None:
     """Registers every library backend (once per process)."""
-    from .._define import register_library_backend
+    from .. import _C
+    from .._define import register_library_backend, requirements
 
-    hashes: Dict[str, str] = {}
+    ops = {o["name"]: o for o in _C.ops()}
+    found = {name: status(lib) for name, lib in LIBRARIES.items()}
+    versions = {name: f"{lib.dist}=={found[name][2]};code={_adapter_hash(lib.adapter)}"
+                for name, lib in LIBRARIES.items() if found[name][0]}
     for b in BACKENDS:
-        lib = LIBRARIES[b.library]
-        available, reason, version = status(lib)
-        if available and lib.adapter not in hashes:
-            hashes[lib.adapter] = _adapter_hash(lib.adapter)
-        module = f"{__name__}.{lib.adapter}"
+        available, reason, _ = found[b.library]
+        module = f"{__name__}.{LIBRARIES[b.library].adapter}"
         register_library_backend(
             b.op, b.name,
             forward=f"{module}:{b.forward}",
             backward=None if b.backward is None else f"{module}:{b.backward}",
-            requirements={"device": "cuda", "dtypes": list(b.dtypes),
-                          **({"variants": b.variants} if b.variants else {}),
-                          **({"present": list(b.present)} if b.present else {}),
-                          **({} if b.capturable else {"capturable": False})},
-            available=available, reason=reason,
-            version=f"{lib.dist}=={version};code={hashes[lib.adapter]}" if available else "")
+            needs=requirements(ops[b.op], "cuda", b.dtypes, b.variants, b.present, b.capturable),
+            available=available, reason=reason, version=versions.get(b.library, ""))
 
 
 def libraries() -> List[dict]:
