@@ -12,22 +12,12 @@ def _t(*shape, dtype=torch.bfloat16, grad=True):
     return torch.randn(*shape, device="cuda", dtype=dtype).requires_grad_(grad)
 
 
-def _rope_inputs():
-    q = _t(B, S, H, D).transpose(1, 2)  # a projection's [b, s, h, d] viewed as [b, h, s, d]
-    k = _t(B, S, KV, D).transpose(1, 2)
-    ang = torch.randn(1, S, D // 2, device="cuda")
-    cos = torch.cat([ang.cos(), ang.cos()], -1).bfloat16()
-    sin = torch.cat([ang.sin(), ang.sin()], -1).bfloat16()
-    return q.detach().requires_grad_(), k.detach().requires_grad_(), cos, sin
-
-
 def _liger():
     from liger_kernel.ops.cross_entropy import LigerCrossEntropyFunction
     from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
     from liger_kernel.ops.geglu import LigerGELUMulFunction
     from liger_kernel.ops.layer_norm import LigerLayerNormFunction
     from liger_kernel.ops.rms_norm import LigerRMSNormFunction
-    from liger_kernel.ops.rope import LigerRopeFunction
     from liger_kernel.ops.swiglu import LigerSiLUMulFunction
 
     rows = B * S
@@ -39,7 +29,6 @@ def _liger():
         ("swiglu", "liger"): (lambda: (_t(rows, 5632), _t(rows, 5632)), LigerSiLUMulFunction.apply),
         ("geglu", "liger"): (lambda: (_t(rows, 5632), _t(rows, 5632), "tanh"),
                              lambda g, u, a: LigerGELUMulFunction.apply(g, u)),
-        ("rope", "liger"): (_rope_inputs, LigerRopeFunction.apply),
         ("cross_entropy", "liger"): (
             lambda: (_t(rows, V), torch.randint(0, V, (rows,), device="cuda")),
             lambda x, t: LigerCrossEntropyFunction.apply(x, t, None, -100, 0.0, 0.0, "mean")[0]),

@@ -68,7 +68,7 @@ def _code_hash(*fns: Optional[Callable]) -> str:
 
 def requirements(op: dict, device: Optional[str], dtypes: Optional[Sequence[torch.dtype]],
                  variants: Optional[Dict[str, Sequence[str]]], present: Sequence[str],
-                 capturable: bool) -> dict:
+                 capturable: bool, nonempty: bool = False, max_row_bytes: Optional[int] = None) -> dict:
     """What a backend needs of a call, checked in C++ before its can_implement (no Python on the
     hot path for these)."""
     r: dict = {}
@@ -97,6 +97,12 @@ def requirements(op: dict, device: Optional[str], dtypes: Optional[Sequence[torc
         r["present"] = list(present)
     if not capturable:
         r["capturable"] = False
+    if nonempty:
+        r["nonempty"] = True
+    if max_row_bytes is not None:
+        if isinstance(max_row_bytes, bool) or not isinstance(max_row_bytes, int) or max_row_bytes <= 0:
+            raise ValueError(f"max_row_bytes must be a positive int, got {max_row_bytes!r}")
+        r["max_row_bytes"] = max_row_bytes
     return r
 
 
@@ -114,7 +120,8 @@ def register_backend(op: str, name: str, forward: Fn, backward: Optional[Fn] = N
                      can_implement: Optional[Callable] = None, package: Optional[str] = None,
                      device: Optional[str] = None, dtypes: Optional[Sequence[torch.dtype]] = None,
                      variants: Optional[Dict[str, Sequence[str]]] = None,
-                     present: Sequence[str] = (), capturable: bool = True) -> None:
+                     present: Sequence[str] = (), capturable: bool = True, nonempty: bool = False,
+                     max_row_bytes: Optional[int] = None) -> None:
     """Adds a backend of `op` written in Python.
 
     forward(*args) takes the op's arguments in schema order and returns its outputs (a tensor or
@@ -133,7 +140,8 @@ def register_backend(op: str, name: str, forward: Fn, backward: Optional[Fn] = N
     checked in C++ before it, without Python: ``device`` ("cuda" or "cpu": the call's device),
     ``dtypes`` (of the call's first tensor), ``variants`` (for each of the op's variant
     arguments, the values the backend implements, e.g. ``{"approximate": ["tanh"]}``) and
-    ``present`` (optional tensor arguments it needs given); ``capturable=False`` for a backend
+    ``present`` (optional tensor arguments it needs given), ``nonempty`` (no tensor without
+    elements), ``max_row_bytes`` (the first tensor's last dim, in bytes); ``capturable=False`` for a backend
     that syncs with the host, which never serves under CUDA-graph capture. Under capture a Python
     backend serves only calls it served eagerly before (``kg.warmup``).
 
@@ -157,7 +165,7 @@ def register_backend(op: str, name: str, forward: Fn, backward: Optional[Fn] = N
         raise ValueError(f"backend name must be an identifier-like string, got {name!r}")
     if can_implement is not None and not callable(can_implement):
         raise TypeError(f"can_implement must be callable, got {type(can_implement).__name__}")
-    needs = requirements(ops[op], device, dtypes, variants, present, capturable)
+    needs = requirements(ops[op], device, dtypes, variants, present, capturable, nonempty, max_row_bytes)
     available, reason, version = True, "", ""
     fwd = bwd = None
     if package is not None:

@@ -180,12 +180,17 @@ struct Requirements {
   std::vector<bool> variant_ok;         // per variant index; empty: every variant
   std::vector<int> present;             // optional tensor arguments that must be given
   bool capturable = true;               // false: it syncs with the host
+  bool nonempty = false;                // every given tensor has an element
+  int64_t max_row_bytes = 0;            // the first tensor's last dim, in bytes; 0: any
+  std::vector<const char*> empty_reason;  // per tensor argument
   const char* device_reason = "";
+  const char* row_reason = "";
   const char* dtype_reason = "";
   const char* variant_reason = "";
   std::vector<const char*> present_reason;
   bool any() const {
-    return device || !dtypes.empty() || !variant_ok.empty() || !present.empty() || !capturable;
+    return device || !dtypes.empty() || !variant_ok.empty() || !present.empty() || !capturable ||
+           nonempty || max_row_bytes > 0;
   }
 };
 
@@ -247,6 +252,17 @@ Requirements requirements_of(const OpContract& c, const py::dict& spec, const st
     r.variant_reason = intern("implements " + join(said, ", ") + " only");
   }
   if (spec.contains("capturable")) r.capturable = spec["capturable"].cast<bool>();
+  if (spec.contains("nonempty")) r.nonempty = spec["nonempty"].cast<bool>();
+  if (spec.contains("max_row_bytes")) {
+    r.max_row_bytes = spec["max_row_bytes"].cast<int64_t>();
+    TORCH_CHECK(r.max_row_bytes > 0, what, ": max_row_bytes must be positive, got ", r.max_row_bytes);
+    r.row_reason = intern("implements rows (the last dim of " + c.tensor_args.at(0).name + ") of at most " +
+                          std::to_string(r.max_row_bytes) + " bytes only");
+  }
+  if (r.nonempty) {
+    for (const auto& a : c.tensor_args)
+      r.empty_reason.push_back(intern("needs tensors with elements (" + a.name + " has none)"));
+  }
   if (spec.contains("present")) {
     for (const auto& n : spec["present"]) {
       const std::string arg = n.cast<std::string>();
@@ -277,6 +293,19 @@ Support check(const Requirements& r, const CallView& call) {
   for (size_t i = 0; i < r.present.size(); ++i) {
     const at::Tensor* t = call.tensors[r.present[i]];
     if (t == nullptr || !t->defined()) return Support::no(r.present_reason[i]);
+  }
+  if (r.nonempty) {
+    for (int i = 0; i < call.num_tensors; ++i) {
+      const at::Tensor* t = call.tensors[i];
+      if (t != nullptr && t->defined() && t->numel() == 0)
+        return Support::no(r.empty_reason[i]);
+    }
+  }
+  if (r.max_row_bytes > 0) {
+    const at::Tensor* t = call.tensors[0];
+    if (t != nullptr && t->defined() && t->dim() > 0 &&
+        t->size(-1) * static_cast<int64_t>(t->element_size()) > r.max_row_bytes)
+      return Support::no(r.row_reason);
   }
   if (!r.capturable && capture_rules_on() && stream_capturing())
     return Support::no("syncs with the host, which CUDA-graph capture forbids");

@@ -40,6 +40,7 @@ class LibraryBackend:
     variants: Optional[Dict[str, List[str]]] = None
     present: Sequence[str] = ()
     capturable: bool = True  # False: it syncs with the host, so never under CUDA-graph capture
+    max_row_bytes: Optional[int] = None  # the first tensor's last dim, in bytes
 
 
 LIBRARIES: Dict[str, Library] = {
@@ -53,7 +54,9 @@ BACKENDS: List[LibraryBackend] = [
                    present=("weight", "bias")),
     LibraryBackend("liger", "swiglu", "liger", "swiglu_fwd", "swiglu_bwd"),
     LibraryBackend("liger", "geglu", "liger", "geglu_fwd", "geglu_bwd", variants={"approximate": ["tanh"]}),
-    LibraryBackend("liger", "rope", "liger", "rope_fwd", "rope_bwd"),
+    # Not Liger's rope: its kernel reads only the first half of cos and sin (it assumes the
+    # cat(freqs, freqs) layout, halves equal), where our rope takes any cos and sin; which a
+    # call has cannot be known without reading them (a sync), so it could serve wrong answers.
     # Liger's cross-entropy counts the valid rows on the host (.item()): not capturable.
     LibraryBackend("liger", "cross_entropy", "liger", "cross_entropy_fwd", "cross_entropy_bwd", capturable=False),
     # mean and sum: Liger computes the gradients in its forward; float16 and "none" would need
@@ -64,8 +67,9 @@ BACKENDS: List[LibraryBackend] = [
     LibraryBackend("liger", "linear_cross_entropy", "liger_fp32_accum", "linear_cross_entropy_fp32_accum_fwd",
                    "linear_cross_entropy_bwd", dtypes=(torch.float32, torch.bfloat16),
                    variants={"reduction": ["mean", "sum"]}, capturable=False),
-    LibraryBackend("fla", "rms_norm", "fla", "rms_norm_fwd", "rms_norm_bwd"),
-    LibraryBackend("fla", "layer_norm", "fla", "layer_norm_fwd", "layer_norm_bwd"),
+    # FLA's norms refuse rows of more than 64 KiB.
+    LibraryBackend("fla", "rms_norm", "fla", "rms_norm_fwd", "rms_norm_bwd", max_row_bytes=65536),
+    LibraryBackend("fla", "layer_norm", "fla", "layer_norm_fwd", "layer_norm_bwd", max_row_bytes=65536),
     LibraryBackend("fla", "swiglu", "fla", "swiglu_fwd", "swiglu_bwd"),
 ]
 
@@ -120,7 +124,9 @@ def install() -> None:
             b.op, b.name,
             forward=f"{module}:{b.forward}",
             backward=None if b.backward is None else f"{module}:{b.backward}",
-            needs=requirements(ops[b.op], "cuda", b.dtypes, b.variants, b.present, b.capturable),
+            # Several of the libraries' kernels fail on tensors without elements (a grid of 0).
+            needs=requirements(ops[b.op], "cuda", b.dtypes, b.variants, b.present, b.capturable,
+                               nonempty=True, max_row_bytes=b.max_row_bytes),
             available=available, reason=reason, version=versions.get(b.library, ""))
 
 

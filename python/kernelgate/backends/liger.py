@@ -3,15 +3,13 @@
 what Liger's autograd Function around them does (its ensure_contiguous) and no more, except:
 
 - Inputs are never modified. Liger writes some results over its inputs: swiglu's and geglu's
-  backward write the gradients over gate and up, rope rotates q and k in place, cross-entropy
-  writes the logits' gradient over the logits. Where that would overwrite a tensor the caller
-  holds, the adapter gives Liger a copy.
-- Outputs have our contract's layout (contiguous): Liger's rope returns transposed views.
+  backward write the gradients over gate and up, cross-entropy writes the logits' gradient over
+  the logits. Where that would overwrite a tensor the caller holds, the adapter gives Liger a
+  copy.
+- A mean over no valid target is NaN, as PyTorch's (0 / 0): Liger returns 0.
 - Our op's saved state is its contract's (rstd, mean, ...): Liger's launch settings are
   recomputed in the backward from the shapes, as Liger derives them.
 """
-
-import weakref
 
 import torch
 from liger_kernel.ops import cross_entropy as _ce
@@ -19,9 +17,9 @@ from liger_kernel.ops import fused_linear_cross_entropy as _lce
 from liger_kernel.ops import geglu as _geglu
 from liger_kernel.ops import layer_norm as _ln
 from liger_kernel.ops import rms_norm as _rms
-from liger_kernel.ops import rope as _rope
 from liger_kernel.ops import swiglu as _swiglu
 from liger_kernel.ops.utils import calculate_settings
+from torch.utils.weak import WeakIdKeyDictionary
 
 # Liger's casting mode that matches our contract: x, rstd and weight in float32, rounded once.
 _GEMMA = "gemma"
@@ -85,39 +83,29 @@ def geglu_bwd(dc, gate, up, approximate):
     return _geglu.geglu_backward(gate.clone(), up.clone(), dc.contiguous())
 
 
-# ---- rope: Liger rotates [batch, seq, heads, dim] storage in place; q and k come as
-# [batch, heads, seq, dim], often views of such storage (a projection transposed), which is
-# then the caller's: a copy is rotated. The results are made contiguous, as our contract says.
-
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """t's [batch, seq, heads, dim] storage as Liger rotates it, never the caller's own."""
-    phys = t.transpose(1, 2)
-    return phys.clone() if phys.is_contiguous() else phys.contiguous()
-
-
-def rope_fwd(q, k, cos, sin):
-    qo, ko, _, _ = _rope.rope_forward(_rows(q).transpose(1, 2), _rows(k).transpose(1, 2), cos, sin)
-    return qo.contiguous(), ko.contiguous()
-
-
-def rope_bwd(dq, dk, cos, sin):
-    gq, gk = _rope.rope_backward(_rows(dq).transpose(1, 2), _rows(dk).transpose(1, 2), cos, sin)
-    return gq.contiguous(), gk.contiguous()
-
-
 # ---- cross_entropy: Liger computes the gradient in its forward, over the logits. Here over a
 # copy, kept until the backward in `_grads`, keyed by the lse the forward returns in its place:
 # a NaN placeholder, so a backward served by another backend gives NaN, never a wrong number.
 
-_grads: "weakref.WeakKeyDictionary[torch.Tensor, torch.Tensor]" = weakref.WeakKeyDictionary()
+# Keyed by identity: a WeakKeyDictionary compares keys with ==, elementwise on tensors.
+_grads = WeakIdKeyDictionary()
+
+
+def _mean_of_none(loss, target, ignore_index, reduction):
+    """PyTorch's mean over no valid target is NaN (0 / 0); Liger's is 0. On the device: no sync."""
+    if reduction != "mean":
+        return loss
+    return torch.where((target != ignore_index).any(), loss, torch.nan)
 
 
 def cross_entropy_fwd(logits, target, ignore_index, label_smoothing, reduction):
     training = logits.requires_grad
-    x = logits.detach().clone().requires_grad_(True) if training else logits
+    # A contiguous copy: of strided logits Liger makes one itself, which (our forward runs without
+    # grad mode) does not require grad, and then its kernel computes no gradient.
+    x = logits.detach().clone(memory_format=torch.contiguous_format).requires_grad_(True) if training else logits
     loss, _, _, _, grad = _ce.cross_entropy_forward(x, target, None, ignore_index, 0.0, label_smoothing,
                                                      reduction, None, False)
-    loss = loss.to(logits.dtype)
+    loss = _mean_of_none(loss, target, ignore_index, reduction).to(logits.dtype)
     if not training:
         return loss
     lse = torch.full((logits.shape[0],), float("nan"), dtype=torch.float32, device=logits.device)
@@ -142,7 +130,7 @@ def _lce_fwd(hidden, weight, target, bias, ignore_index, label_smoothing, reduct
     loss, _, _, _, gh, gw, gb = _lce.fused_linear_cross_entropy_forward(
         hidden, weight, target, None, bias, ignore_index, 0.0, label_smoothing, reduction, None, False,
         accum_dtype, compute_gradients=grads, weight_requires_grad=grads and weight.requires_grad)
-    loss = loss.to(hidden.dtype)
+    loss = _mean_of_none(loss, target, ignore_index, reduction).to(hidden.dtype)
     if not grads:
         return loss
     return loss, None, gh, gw, gb
