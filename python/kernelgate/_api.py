@@ -121,7 +121,66 @@ class Warmup:
     served: List[Dict[str, str]]
 
 
-def warmup(op: str, *args, calls: Optional[Sequence[tuple]] = None, **kwargs) -> Warmup:
+_LAYOUTS = ("contiguous", "row_strided", "offset", "transposed", "expanded")
+
+
+def _escape(value: str) -> str:
+    return "".join(f"%{ord(c):02X}" if c in "%;=" else c for c in value)
+
+
+def _shape_calls(info: dict, shapes, dtype, variants, layout: str, grad: bool, device) -> List[tuple]:
+    """Example calls of the op built from named dims (as the sweeps build theirs)."""
+    op = info["name"]
+    if isinstance(shapes, Mapping):
+        shapes = [shapes]
+    shapes = list(shapes)
+    if not shapes:
+        raise ValueError("warmup: shapes is empty; nothing would be warmed")
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"warmup: with shapes, give dtype (a torch dtype), got {dtype!r}")
+    dtype_name = str(dtype).split(".")[-1]
+    if dtype_name not in info["dtypes"]:
+        raise ValueError(f"warmup: {op} takes dtypes {', '.join(info['dtypes'])}, got {dtype_name}")
+    if layout not in _LAYOUTS:
+        raise ValueError(f"warmup: layout must be one of {', '.join(_LAYOUTS)}, got {layout!r}")
+    device = torch.device(device)
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"warmup: device must be a cuda or cpu device, got {device}")
+    known = dict(info["variant_args"])
+    strings = dict(variants or {})
+    for arg, value in strings.items():
+        if arg not in known or value not in known[arg]:
+            takes = ", ".join(f"{a} in {v}" for a, v in known.items()) or "none"
+            raise ValueError(f"warmup: {op} has variant arguments {takes}; got {arg}={value!r}")
+    calls = []
+    for dims in shapes:
+        if not isinstance(dims, Mapping) or not dims:
+            raise TypeError(f"warmup: each shape is a dict of {op}'s dims ({', '.join(info['named_dims'])}), "
+                            f"got {dims!r}")
+        unknown = [d for d in dims if d not in info["named_dims"]]
+        bad = [f"{d}={v!r}" for d, v in dims.items() if isinstance(v, bool) or not isinstance(v, int) or v < 0]
+        if unknown or bad:
+            raise ValueError(f"warmup: {op}'s dims are {', '.join(info['named_dims'])} (non-negative ints); "
+                             f"got {', '.join(unknown + bad)}")
+        fields = {"op": op, "dims": ",".join(f"{d}={v}" for d, v in sorted(dims.items())), "dtype": dtype_name,
+                  "layout": layout, "regime": "normal", "scalars": "",
+                  "strings": ",".join(f"{a}={v}" for a, v in sorted(strings.items())),
+                  "optional": "1", "grad": "1" if grad else "0", "seed": "0"}
+        try:
+            args, _ = _C.case_arguments(";".join(f"{k}={_escape(v)}" for k, v in fields.items()),
+                                        on_gpu=device.type == "cuda")
+        except (RuntimeError, ValueError) as exc:
+            raise ValueError(f"warmup: {op} with dims {dict(dims)}: {str(exc).splitlines()[0]}") from None
+        if device.type == "cuda" and (device.index or 0) != 0:
+            args = [a.detach().to(device).requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
+                    for a in args]
+        calls.append((tuple(args), {}))
+    return calls
+
+
+def warmup(op: str, *args, calls: Optional[Sequence[tuple]] = None, shapes=None, dtype=None,
+           variants: Optional[Mapping[str, str]] = None, layout: str = "contiguous", grad: bool = True,
+           device="cuda", **kwargs) -> Warmup:
     """Runs `op` eagerly on example calls, forward and (where a tensor argument requires grad)
     backward, so that each backend the policy picks for such calls has compiled and autotuned
     before it matters: before step 1 of a training run, and before a CUDA graph is captured (a
@@ -130,15 +189,25 @@ def warmup(op: str, *args, calls: Optional[Sequence[tuple]] = None, **kwargs) ->
 
         kg.warmup("rms_norm", x, w)                                  # one example call
         kg.warmup("rms_norm", calls=[(x1, w), (x2, w, 1e-5)])        # several (positional args)
+        kg.warmup("rms_norm", shapes=[{"rows": 8192, "hidden": 4096}], dtype=torch.bfloat16)
+        kg.warmup("geglu", shapes={"rows": 8192, "hidden": 14336}, dtype=torch.bfloat16,
+                  variants={"approximate": "tanh"})
 
     The examples are computed on (their values do not matter; their shapes, dtypes, layouts and
-    devices do). Returns the time it took and what served each call; raises ValueError if given
-    no call, and what the op raises for an invalid one.
+    devices do). With shapes (the op's named dims, as ``kg.ops()`` lists them), the calls are made
+    on `device` in `dtype`, in `layout` (contiguous; or row_strided, offset, transposed, expanded,
+    as the sweeps make them), with the optional tensors given, requiring grad unless grad=False.
+    Returns the time it took and what served each call; raises ValueError if given no call, and
+    what the op raises for an invalid one.
     """
-    _op_info(op)
-    if calls is None:
+    info = _op_info(op)
+    if shapes is not None:
+        if args or kwargs or calls is not None:
+            raise ValueError("warmup: give shapes, one example call or calls=[...], not several")
+        calls = _shape_calls(info, shapes, dtype, variants, layout, grad, device)
+    elif calls is None:
         if not args and not kwargs:
-            raise ValueError(f"warmup: give {op} an example call (its arguments), or calls=[...]")
+            raise ValueError(f"warmup: give {op} an example call (its arguments), calls=[...] or shapes=[...]")
         calls = [(args, kwargs)]
     else:
         if args or kwargs:

@@ -339,9 +339,53 @@ def test_under_capture_a_python_backend_serves_only_calls_it_served_eagerly(simu
         assert ran[4:] == [(5, 24), "bwd"]
 
 
+def test_warmup_from_shapes_warms_the_key_of_such_calls(simulated_capture):
+    """kg.warmup(op, shapes=..., dtype=...) makes the calls the sweeps would (the op's named dims),
+    so a JIT backend then serves a captured call of that shape, dtype and layout, and no other."""
+    ran = []
+
+    def fwd(gate, up, approximate):
+        ran.append((tuple(gate.shape), gate.dtype, approximate))
+        return torch.ops.kernelgate._geglu_reference(gate, up, approximate)
+
+    kg.register_backend("geglu", "test_jit_shapes", fwd, device="cpu")
+    with kg.use(force={"geglu": "test_jit_shapes"}):
+        report = kg.warmup("geglu", shapes=[{"rows": 6, "hidden": 40}, {"rows": 2, "hidden": 8}],
+                           dtype=torch.bfloat16, variants={"approximate": "none"}, grad=False, device="cpu")
+        assert report.served == [{"backend": "test_jit_shapes", "ran": "forward"}] * 2
+        assert ran == [((6, 40), torch.bfloat16, "none"), ((2, 8), torch.bfloat16, "none")]
+        simulated_capture(True)
+        g = torch.randn(6, 40, dtype=torch.bfloat16)
+        kg.geglu(g, g, "none")
+        assert len(ran) == 3  # warm: served under capture
+        kg.geglu(g.float(), g.float(), "none")  # another dtype: not warm, the next backend serves
+        kg.geglu(g, g, "tanh")  # another variant: not warm
+        assert len(ran) == 3
+
+
+@pytest.mark.parametrize("kwargs,error", [
+    (dict(shapes=[]), "shapes is empty"),
+    (dict(shapes={"rows": 2, "hidden": 8}), "with shapes, give dtype"),
+    (dict(shapes={"rows": 2, "hid": 8}, dtype=torch.float32), "dims are rows, hidden .* got hid"),
+    (dict(shapes={"rows": -1, "hidden": 8}, dtype=torch.float32), "got rows=-1"),
+    (dict(shapes={"rows": 2}, dtype=torch.float32), "no size for dim 'hidden'"),
+    (dict(shapes=[(2, 8)], dtype=torch.float32), "each shape is a dict"),
+    (dict(shapes={"rows": 2, "hidden": 8}, dtype=torch.int32), "takes dtypes float32, float16, bfloat16, got int32"),
+    (dict(shapes={"rows": 2, "hidden": 8}, dtype=torch.float32, layout="tiled"), "layout must be one of"),
+    (dict(shapes={"rows": 2, "hidden": 8}, dtype=torch.float32, device="meta"), "device must be a cuda or cpu"),
+    (dict(shapes={"rows": 2, "hidden": 8}, dtype=torch.float32, variants={"approximate": "erf"}),
+     "variant arguments approximate"),
+])
+def test_warmup_from_shapes_errors(kwargs, error):
+    with pytest.raises((ValueError, TypeError), match=error):
+        kg.warmup("geglu", **{"device": "cpu", **kwargs})
+
+
 def test_warmup_errors_and_calls():
     with pytest.raises(ValueError, match="give swiglu an example call"):
         kg.warmup("swiglu")
+    with pytest.raises(ValueError, match="not several"):
+        kg.warmup("swiglu", torch.randn(2, 3), shapes={"rows": 2, "hidden": 3})
     with pytest.raises(ValueError, match="calls is empty"):
         kg.warmup("swiglu", calls=[])
     with pytest.raises(ValueError, match="unknown op 'nosuch'"):
