@@ -131,6 +131,53 @@ def cmd_explain(args) -> int:
     return 0 if e.valid else 1
 
 
+# ---- the optimization loop --------------------------------------------------------------------
+
+def _dims(text: str) -> Dict[str, int]:
+    """rows=4096,hidden=1024 -> {"rows": 4096, "hidden": 1024}."""
+    try:
+        out = {k: int(v) for k, v in (item.split("=") for item in text.split(","))}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be DIM=N[,DIM=N...], e.g. rows=4096,hidden=1024, got '{text}'")
+    return out
+
+
+def _try_line(t: dict) -> str:
+    timing = t.get("timing") or {}
+    speed = f"{1 / timing['geomean']:.3f}x" if timing.get("geomean") else ""
+    floor = f"{timing['noise_floor'] * 100:.1f}%" if timing.get("noise_floor") else ""
+    reason = " ".join(str(t.get("reason", "")).split())
+    return f"{t['try']:>4}  {t['disposition']:<11} {speed:>7} {floor:>6}  {reason[:110]}"
+
+
+def cmd_loop(args) -> int:
+    from . import loop
+
+    c = args.loop_command
+    if c == "start":
+        out = loop.start(args.op, args.name, args.source, args.device, args.dtype or ["float32"],
+                         args.time_shape, root=args.dir)
+        text = (f"loop '{out['name']}': {out['op']} on {out['device']} ({', '.join(out['dtypes'])}), "
+                f"candidate {out['source']}; next: kernelgate loop try {out['name']}")
+    elif c == "try":
+        out = loop.try_(args.name, root=args.dir, timeout=args.timeout)
+        text = "try  disposition speed  floor  reason\n" + _try_line(out)
+    elif c == "status":
+        out = loop.status(args.name, root=args.dir)
+        inc = out["incumbent"]
+        text = (f"loop '{out['name']}': {out['op']} on {out['device']}, {out['tries']} tries "
+                f"({', '.join(f'{k} {v}' for k, v in sorted(out['dispositions'].items())) or 'none yet'}); "
+                f"incumbent: {'try ' + str(inc['try']) if inc else 'none yet'}")
+    elif c == "log":
+        out = loop.log(args.name, root=args.dir)
+        text = "\n".join(["try  disposition speed  floor  reason"] + [_try_line(t) for t in out])
+    else:
+        out = loop.revert(args.name, root=args.dir)
+        text = f"restored try {out['restored_try']} into the candidate file; its previous text is in {out['kept']}"
+    print(json.dumps(out, indent=1) if args.json else text)
+    return 0
+
+
 # ---- evidence: validate, bench run, policy show, db, doctor -------------------------------------
 
 def _db(args) -> str:
@@ -543,6 +590,28 @@ def main(argv: Optional[List[str]] = None) -> int:
     _add_load_arg(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_doctor)
+
+    p = sub.add_parser("loop", help="the optimization loop: gate, probe and time a candidate backend")
+    lp = p.add_subparsers(dest="loop_command", required=True)
+    q = lp.add_parser("start", help="register a candidate (a Python file with forward / backward)")
+    q.add_argument("op")
+    q.add_argument("--name", required=True)
+    q.add_argument("--source", required=True, help="the candidate file, read at every try")
+    q.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    q.add_argument("--dtype", action="append", default=[], choices=sorted(DTYPES))
+    q.add_argument("--time-shape", action="append", default=[], type=_dims,
+                   help="DIM=N,... to time at (repeat; default: the grid's largest cases)")
+    q = lp.add_parser("try", help="gate, probe and time the candidate file as it is now")
+    q.add_argument("name")
+    q.add_argument("--timeout", type=_seconds(positive=True), default=900.0)
+    for n, h in (("status", "the loop's state"), ("log", "every try"),
+                 ("revert", "write the incumbent back into the candidate file")):
+        q = lp.add_parser(n, help=h)
+        q.add_argument("name")
+    for q in lp.choices.values():
+        q.add_argument("--dir", default=None, help="loop state (default: KERNELGATE_LOOP_DIR or .kernelgate/loop)")
+        q.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_loop)
 
     p = sub.add_parser("demo", help="rms_norm forward+backward: which backend served it and why")
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda where there is one)")

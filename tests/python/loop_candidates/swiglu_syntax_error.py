@@ -1,0 +1,2 @@
+def forward(gate, up)
+    return gate

@@ -1,0 +1,151 @@
+"""kernelgate loop on the CPU: a faster candidate is accepted, a slower one rejected and reverted,
+and each planted cheat is rejected, never accepted (python/kernelgate/loop.py)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from kernelgate import loop
+
+HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "loop_candidates")
+
+
+def _candidate(tmp_path, name):
+    path = tmp_path / "candidate.py"
+    shutil.copyfile(os.path.join(HERE, name), path)
+    return str(path)
+
+
+def _cli(*args):
+    p = subprocess.run([sys.executable, "-m", "kernelgate.cli", *args], capture_output=True, text=True)
+    return p.returncode, p.stdout, p.stderr
+
+
+def test_faster_is_accepted_slower_rejected_and_reverted(tmp_path):
+    root = str(tmp_path / "state")
+    src = _candidate(tmp_path, "swiglu_slow.py")
+    rc, out, err = _cli("loop", "start", "swiglu", "--name", "swiglu1", "--source", src, "--dir", root, "--json")
+    assert rc == 0, err
+    assert json.loads(out)["op"] == "swiglu"
+
+    first = loop.try_("swiglu1", root=root)
+    assert first["disposition"] == "baseline", first
+    shutil.copyfile(os.path.join(HERE, "swiglu_fast.py"), src)
+    rc, out, err = _cli("loop", "try", "swiglu1", "--dir", root, "--json")
+    assert rc == 0, err
+    second = json.loads(out)
+    assert second["disposition"] == "accepted", second
+    t = second["timing"]
+    assert t["geomean"] < 1 / (1 + t["noise_floor"]) and t["noise_floor"] >= loop.NOISE_MIN
+    assert all(r < 1 for r in t["ratios"]) and all(0 < f <= 1.25 for f in t["limit_fraction"])
+    assert second["diff"]["hunks"] >= 1 and "time.sleep" in second["diff"]["text"]
+    assert second["seed"] != first["seed"]  # fresh gate values every try
+    assert second["errors"]["rel_l2"]["max"] < 1e-4
+
+    shutil.copyfile(os.path.join(HERE, "swiglu_slow.py"), src)
+    third = loop.try_("swiglu1", root=root)
+    assert third["disposition"] == "rejected" and "not faster" in third["reason"], third
+    assert loop.status("swiglu1", root=root)["incumbent"]["try"] == 2
+
+    rc, out, err = _cli("loop", "revert", "swiglu1", "--dir", root, "--json")
+    assert rc == 0, err
+    kept = json.loads(out)["kept"]
+    with open(src) as f, open(os.path.join(HERE, "swiglu_fast.py")) as g:
+        assert f.read() == g.read()
+    with open(kept) as f, open(os.path.join(HERE, "swiglu_slow.py")) as g:
+        assert f.read() == g.read()  # the text the revert replaced is kept
+    rc, out, err = _cli("loop", "log", "swiglu1", "--dir", root)
+    assert rc == 0 and [ln.split()[1] for ln in out.splitlines()[1:]] == ["baseline", "accepted", "rejected"], out
+    for t in loop.log("swiglu1", root=root):
+        assert os.path.exists(os.path.join(root, "swiglu1", t["snapshot"]))
+
+
+CHEATS = [
+    # (file, dispositions it may get, what the reason says)
+    ("swiglu_cache_by_shape.py", {"incorrect", "cheat"}, r"error|NaN pattern|earlier call"),
+    ("swiglu_later_thread.py", {"incorrect", "cheat"}, r"error|NaN pattern|after the call returned"),
+    ("swiglu_partial_write.py", {"incorrect", "cheat"}, r"error|NaN pattern|earlier call"),
+    ("swiglu_modifies_input.py", {"cheat"}, r"it modifies its input up"),
+    ("swiglu_reads_past_its_tensor.py", {"incorrect", "cheat"}, r"NaN pattern"),
+]
+
+
+@pytest.mark.parametrize("name,dispositions,reason", CHEATS, ids=[c[0] for c in CHEATS])
+def test_a_cheating_candidate_is_rejected_before_it_is_timed(tmp_path, name, dispositions, reason):
+    root = str(tmp_path / "state")
+    loop.start("swiglu", "cheat", _candidate(tmp_path, name), root=root)
+    t = loop.try_("cheat", root=root)
+    assert t["disposition"] in dispositions, t
+    assert "timing" not in t  # never timed
+    assert __import__("re").search(reason, t["reason"]), t["reason"]
+    assert loop.status("cheat", root=root)["incumbent"] is None
+
+
+def test_outputs_recognised_from_earlier_inputs_are_impossibly_fast(tmp_path):
+    """A cache keyed by a few input values returns correct outputs for value sets it has seen: the
+    timed call then takes less than copying its bytes, which no honest kernel can."""
+    root = str(tmp_path / "state")
+    loop.start("swiglu", "cache", _candidate(tmp_path, "swiglu_content_cache.py"),
+               time_shapes=[{"rows": 2048, "hidden": 1024}], root=root)
+    t = loop.try_("cache", root=root)
+    assert t["disposition"] == "cheat" and "impossible" in t["reason"], t
+
+
+@pytest.mark.parametrize("name,disposition,reason", [
+    ("swiglu_syntax_error.py", "build_error", "SyntaxError"),
+    ("swiglu_exits.py", "crashed", "exited with status 3"),
+    ("swiglu_hangs.py", "hung", "did not finish in 20 s"),
+])
+def test_a_candidate_that_does_not_build_crashes_or_hangs_is_a_recorded_result(tmp_path, name, disposition, reason):
+    root = str(tmp_path / "state")
+    loop.start("swiglu", "bad", _candidate(tmp_path, name), root=root)
+    t = loop.try_("bad", root=root, timeout=20)
+    assert t["disposition"] == disposition and reason in t["reason"], t
+    assert loop.log("bad", root=root)[0]["disposition"] == disposition  # recorded
+
+
+def test_loop_errors(tmp_path):
+    root = str(tmp_path / "state")
+    src = _candidate(tmp_path, "swiglu_fast.py")
+    for kwargs, error in [
+        (dict(op="nosuch"), "unknown op 'nosuch'"),
+        (dict(device="tpu"), "device must be 'cpu' or 'cuda'"),
+        (dict(dtypes=["int8"]), "dtypes: swiglu takes float32, float16, bfloat16, got int8"),
+        (dict(source=str(tmp_path / "missing.py")), "source: no file"),
+        (dict(name="../up"), "loop name must be"),
+        (dict(time_shapes=[{"rows": 0, "hidden": 8}]), "time_shapes: each a dict of swiglu's dims"),
+        (dict(time_shapes=[{"tokens": 8}]), "time_shapes: each a dict of swiglu's dims"),
+    ]:
+        args = {"op": "swiglu", "name": "e", "source": src, **kwargs}
+        with pytest.raises(ValueError, match=error):
+            loop.start(args.pop("op"), args.pop("name"), args.pop("source"), root=root, **args)
+    loop.start("swiglu", "e", src, root=root)
+    with pytest.raises(ValueError, match="loop 'e' exists"):
+        loop.start("swiglu", "e", src, root=root)
+    with pytest.raises(ValueError, match="no incumbent yet"):
+        loop.revert("e", root=root)
+    rc, _, err = _cli("loop", "status", "nosuch", "--dir", root)
+    assert rc == 1 and "no loop 'nosuch'" in err
+    rc, _, err = _cli("loop", "start", "swiglu", "--name", "f", "--source", src, "--time-shape", "rows=x")
+    assert rc == 1 and "must be DIM=N" in err
+
+
+@pytest.mark.gpu
+def test_gpu_loop_accepts_faster_and_rejects_side_stream_work(tmp_path):
+    root = str(tmp_path / "state")
+    src = _candidate(tmp_path, "swiglu_slow.py")
+    loop.start("swiglu", "g", src, device="cuda", dtypes=["bfloat16"], root=root)
+    assert loop.try_("g", root=root)["disposition"] == "baseline"
+    shutil.copyfile(os.path.join(HERE, "swiglu_fast.py"), src)
+    t = loop.try_("g", root=root)
+    assert t["disposition"] == "accepted", t
+    assert all(0 < f <= 1.25 for f in t["timing"]["limit_fraction"])  # of the same-run copy bandwidth
+
+    loop.start("swiglu", "side", _candidate(tmp_path, "swiglu_side_stream.py"), device="cuda",
+               dtypes=["bfloat16"], root=root)
+    t = loop.try_("side", root=root)
+    assert t["disposition"] in ("incorrect", "cheat") and "timing" not in t, t
