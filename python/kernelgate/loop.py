@@ -3,7 +3,8 @@ kernel can look fast without being so, timed against the incumbent with the nois
 in the same run, and kept only where it is faster by more than that floor.
 
 A candidate is a Python file with the backend protocol of ``kg.register_backend``: ``forward``,
-optionally ``backward`` and ``can_implement``. Each try runs in its own worker process (a
+optionally ``backward`` and ``can_implement``; or a CUDA source with C entry points on raw
+pointers (``kernelgate._loop_cuda``), built with nvcc at each try. Each try runs in its own worker process (a
 candidate that crashes or hangs is a recorded result) on a snapshot of the file, so the history
 holds every version tried. State lives in a directory (``--dir``, ``KERNELGATE_LOOP_DIR``, default
 ``.kernelgate/loop``), one folder per loop, written atomically.
@@ -115,6 +116,10 @@ def start(op: str, name: str, source: str, device: str = "cpu", dtypes: Sequence
     source = os.path.abspath(source)
     if not os.path.isfile(source):
         raise ValueError(f"source: no file {source}")
+    if os.path.splitext(source)[1] not in (".py", ".cu"):
+        raise ValueError(f"source: a .py file (a Python backend) or a .cu file (CUDA entry points), got {source}")
+    if source.endswith(".cu") and device != "cuda":
+        raise ValueError("source: a .cu candidate runs on device cuda")
     d = _loop_dir(root, name)
     if os.path.exists(os.path.join(d, "state.json")):
         raise ValueError(f"loop '{name}' exists in {root}; choose another name")
@@ -166,7 +171,7 @@ def try_(name: str, root: Optional[str] = None, timeout: float = 900.0) -> dict:
     with open(s["source"], encoding="utf-8") as f:
         text = f.read()
     n = len(s["tries"]) + 1
-    snapshot = os.path.join("tries", f"{n:04d}.py")
+    snapshot = os.path.join("tries", f"{n:04d}{os.path.splitext(s['source'])[1]}")
     os.makedirs(os.path.join(d, "tries"), exist_ok=True)
     with open(os.path.join(d, snapshot), "w", encoding="utf-8") as f:
         f.write(text)
@@ -174,7 +179,8 @@ def try_(name: str, root: Optional[str] = None, timeout: float = 900.0) -> dict:
     spec = {"op": s["op"], "device": s["device"], "dtypes": s["dtypes"], "seed": secrets.randbits(31),
             "time_shapes": s.get("time_shapes", []),
             "candidate": os.path.join(d, snapshot),
-            "incumbent": None if inc is None else os.path.join(d, inc["snapshot"])}
+            "incumbent": None if inc is None else os.path.join(d, inc["snapshot"]),
+            "build_dir": os.path.join(d, "builds", f"{n:04d}")}
     result = _run_worker(spec, timeout)
     entry = {"try": n, "time": _now(), "snapshot": snapshot, "sha256": hashlib.sha256(text.encode()).hexdigest(),
              "seed": spec["seed"], **result}
@@ -230,13 +236,30 @@ def _load_module(path: str, tag: str):
     return module
 
 
-def _register(kg, op: str, name: str, path: str, device: str) -> None:
+def _functions(kg, op: str, name: str, path: str, build_dir: str) -> tuple:
+    """(forward, backward, can_implement) of a candidate file: a Python module's, or a .cu file's
+    entry points built with nvcc (a compiler error is the build's result)."""
+    if path.endswith(".cu"):
+        from . import _loop_cuda
+
+        info = next(o for o in kg.ops() if o["name"] == op)
+        try:
+            lib = _loop_cuda.build(path, os.path.join(build_dir, name))
+        except RuntimeError as exc:
+            raise Rejected("build_error", str(exc))
+        return (*_loop_cuda.wrap(info, lib), None)
+    m = _load_module(path, name)
+    return m.forward, getattr(m, "backward", None), getattr(m, "can_implement", None)
+
+
+def _register(kg, op: str, name: str, path: str, device: str, build_dir: str) -> None:
     import traceback
 
     try:
-        m = _load_module(path, name)
-        kg.register_backend(op, name, m.forward, getattr(m, "backward", None),
-                            can_implement=getattr(m, "can_implement", None), device=device)
+        fwd, bwd, can = _functions(kg, op, name, path, build_dir)
+        kg.register_backend(op, name, fwd, bwd, can_implement=can, device=device)
+    except Rejected:
+        raise
     except Exception:  # noqa: BLE001 -- the candidate's error is the result, with its traceback
         raise Rejected("build_error", traceback.format_exc(limit=6).strip())
 
@@ -500,11 +523,11 @@ def worker(spec: dict) -> dict:
     from kernelgate import _C
 
     op, device, rng = spec["op"], spec["device"], random.Random(spec["seed"])
+    _register(kg, op, CANDIDATE, spec["candidate"], device, spec["build_dir"])
     if device == "cuda" and not torch.cuda.is_available():
-        raise Rejected("error", "the loop's device is cuda and no CUDA device is visible")
-    _register(kg, op, CANDIDATE, spec["candidate"], device)
+        raise Rejected("error", "the loop's device is cuda and no CUDA device is visible (it built)")
     if spec["incumbent"]:
-        _register(kg, op, INCUMBENT, spec["incumbent"], device)
+        _register(kg, op, INCUMBENT, spec["incumbent"], device, spec["build_dir"])
 
     gate = _gate_cases(_C, op, device, spec["dtypes"], rng)
     passed, unsupported, worst = [], 0, {"rel_l2": [], "max_over_rms": []}
@@ -546,7 +569,10 @@ def worker(spec: dict) -> dict:
     backends = [INCUMBENT, CANDIDATE, INCUMBENT + "_again"] if spec["incumbent"] else [CANDIDATE, CANDIDATE + "_again"]
     for b in backends:
         if b.endswith("_again"):
-            kg.register_backend(op, b, *_same_protocol(kg, op, b.removesuffix("_again"), spec), device=device)
+            first = b.removesuffix("_again")
+            path = spec["candidate"] if first == CANDIDATE else spec["incumbent"]
+            fwd, bwd, _ = _functions(kg, op, b, path, spec["build_dir"])
+            kg.register_backend(op, b, fwd, bwd, device=device)
     per_case = []
     for cid, enc in timed:
         per_case.append(_time_case(_Case(kg, _C, op, enc, device), cid, backends, timer,
@@ -578,12 +604,6 @@ def worker(spec: dict) -> dict:
         why = (f"{1 / geo:.3f}x the incumbent, but a case takes {max(ratios):.3f}x its time, beyond the noise "
                f"floor of {floor * 100:.1f}%")
     return {"disposition": "rejected", "reason": why, **common}
-
-
-def _same_protocol(kg, op: str, name: str, spec: dict):
-    """The forward / backward of an already registered loop backend, for its A/A twin."""
-    m = _load_module(spec["candidate"] if name == CANDIDATE else spec["incumbent"], name + "_again")
-    return m.forward, getattr(m, "backward", None)
 
 
 def _shape_cases(op: str, shapes: List[Dict[str, int]], dtype: str) -> List[tuple]:

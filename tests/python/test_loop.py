@@ -108,9 +108,31 @@ def test_a_candidate_that_does_not_build_crashes_or_hangs_is_a_recorded_result(t
     assert loop.log("bad", root=root)[0]["disposition"] == disposition  # recorded
 
 
+def test_a_cuda_candidate_is_built_with_nvcc_and_its_compiler_errors_are_the_feedback(tmp_path):
+    """On this CPU machine a .cu candidate builds (the CUDA toolkit is installed) and then cannot
+    run; a broken one's result is nvcc's message."""
+    root = str(tmp_path / "state")
+    shutil.copyfile(os.path.join(HERE, "rms_norm_naive.cu"), tmp_path / "naive.cu")
+    loop.start("rms_norm", "cu", str(tmp_path / "naive.cu"), device="cuda", root=root)
+    t = loop.try_("cu", root=root)
+    if __import__("torch").cuda.is_available():
+        assert t["disposition"] in ("baseline", "incorrect"), t
+    else:
+        assert t["disposition"] == "error" and "(it built)" in t["reason"], t
+    assert os.path.exists(os.path.join(root, "cu", "builds", "0001", loop.CANDIDATE, "candidate.so"))
+    assert t["snapshot"].endswith(".cu")
+
+    shutil.copyfile(os.path.join(HERE, "rms_norm_broken.cu"), tmp_path / "broken.cu")
+    loop.start("rms_norm", "broken", str(tmp_path / "broken.cu"), device="cuda", root=root)
+    t = loop.try_("broken", root=root)
+    assert t["disposition"] == "build_error" and "nvcc failed" in t["reason"] and "undeclared_name" in t["reason"], t
+
+
 def test_loop_errors(tmp_path):
     root = str(tmp_path / "state")
     src = _candidate(tmp_path, "swiglu_fast.py")
+    other = tmp_path / "candidate.txt"
+    other.write_text("forward = None\n")
     for kwargs, error in [
         (dict(op="nosuch"), "unknown op 'nosuch'"),
         (dict(device="tpu"), "device must be 'cpu' or 'cuda'"),
@@ -119,6 +141,8 @@ def test_loop_errors(tmp_path):
         (dict(name="../up"), "loop name must be"),
         (dict(time_shapes=[{"rows": 0, "hidden": 8}]), "time_shapes: each a dict of swiglu's dims"),
         (dict(time_shapes=[{"tokens": 8}]), "time_shapes: each a dict of swiglu's dims"),
+        (dict(source=os.path.join(HERE, "rms_norm_naive.cu")), "a .cu candidate runs on device cuda"),
+        (dict(source=str(other)), "source: a .py file .* or a .cu file"),
     ]:
         args = {"op": "swiglu", "name": "e", "source": src, **kwargs}
         with pytest.raises(ValueError, match=error):
@@ -132,6 +156,15 @@ def test_loop_errors(tmp_path):
     assert rc == 1 and "no loop 'nosuch'" in err
     rc, _, err = _cli("loop", "start", "swiglu", "--name", "f", "--source", src, "--time-shape", "rows=x")
     assert rc == 1 and "must be DIM=N" in err
+
+
+@pytest.mark.gpu
+def test_gpu_a_naive_cuda_rms_norm_passes_the_gate_and_is_the_baseline(tmp_path):
+    root = str(tmp_path / "state")
+    shutil.copyfile(os.path.join(HERE, "rms_norm_naive.cu"), tmp_path / "naive.cu")
+    loop.start("rms_norm", "cu", str(tmp_path / "naive.cu"), device="cuda", dtypes=["bfloat16"], root=root)
+    t = loop.try_("cu", root=root)
+    assert t["disposition"] == "baseline", t
 
 
 @pytest.mark.gpu
