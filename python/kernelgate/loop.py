@@ -163,9 +163,25 @@ def _diff(old: str, new: str) -> dict:
     return {"text": "".join(lines), "hunks": sum(1 for ln in lines if ln.startswith("@@"))}
 
 
+@contextlib.contextmanager
+def _locked(d: str):
+    """One try of a loop at a time (another process waits)."""
+    import fcntl
+
+    with open(os.path.join(d, ".lock"), "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
 def try_(name: str, root: Optional[str] = None, timeout: float = 900.0) -> dict:
     """One try of the candidate file as it is now; returns the recorded entry."""
     root = root_dir(root)
+    _load(root, name)
+    with _locked(_loop_dir(root, name)):
+        return _try_locked(name, root, timeout)
+
+
+def _try_locked(name: str, root: str, timeout: float) -> dict:
     s = _load(root, name)
     d = _loop_dir(root, name)
     with open(s["source"], encoding="utf-8") as f:
