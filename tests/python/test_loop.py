@@ -164,7 +164,7 @@ def test_gpu_a_naive_cuda_rms_norm_passes_the_gate_and_is_the_baseline(tmp_path)
     shutil.copyfile(os.path.join(HERE, "rms_norm_naive.cu"), tmp_path / "naive.cu")
     loop.start("rms_norm", "cu", str(tmp_path / "naive.cu"), device="cuda", dtypes=["bfloat16"], root=root)
     t = loop.try_("cu", root=root)
-    assert t["disposition"] == "baseline", t
+    assert t["disposition"] == "baseline", t["reason"]
 
 
 @pytest.mark.gpu
@@ -172,10 +172,11 @@ def test_gpu_loop_accepts_faster_and_rejects_side_stream_work(tmp_path):
     root = str(tmp_path / "state")
     src = _candidate(tmp_path, "swiglu_slow.py")
     loop.start("swiglu", "g", src, device="cuda", dtypes=["bfloat16"], root=root)
-    assert loop.try_("g", root=root)["disposition"] == "baseline"
+    t = loop.try_("g", root=root)
+    assert t["disposition"] == "baseline", t["reason"]
     shutil.copyfile(os.path.join(HERE, "swiglu_fast.py"), src)
     t = loop.try_("g", root=root)
-    assert t["disposition"] == "accepted", t
+    assert t["disposition"] == "accepted", t["reason"]
     assert all(0 < f <= 1.25 for f in t["timing"]["limit_fraction"])  # of the same-run copy bandwidth
 
     loop.start("swiglu", "side", _candidate(tmp_path, "swiglu_side_stream.py"), device="cuda",

@@ -21,6 +21,7 @@ Geometry geometry(const kg_tensor& t) {
   return g;
 }
 
+// Every dtype is read from its tensor: x, weight and the outputs may differ (mixed precision).
 // Element offset of (row r over the leading dims, column h).
 __device__ long long offset(const Geometry& g, long long r, long long h) {
   long long off = h * g.strides[g.ndim - 1];
@@ -44,7 +45,8 @@ __device__ void store(void* p, int dtype, long long i, float v) {
 }
 
 __global__ void forward_rows(const void* x, Geometry gx, const void* w, long long w_stride, int dtype,
-                             int w_dtype, void* y, float* rstd, long long rows, long long hidden, float eps) {
+                             int w_dtype, void* y, int y_dtype, float* rstd, long long rows, long long hidden,
+                             float eps) {
   long long r = blockIdx.x * (long long)blockDim.x + threadIdx.x;
   if (r >= rows) return;
   float ss = 0.f;
@@ -57,36 +59,36 @@ __global__ void forward_rows(const void* x, Geometry gx, const void* w, long lon
   for (long long h = 0; h < hidden; ++h) {
     float v = load(x, dtype, offset(gx, r, h)) * s;
     if (w) v *= load(w, w_dtype, h * w_stride);
-    store(y, dtype, r * hidden + h, v);
+    store(y, y_dtype, r * hidden + h, v);
   }
 }
 
-__global__ void backward_rows(const void* dy, Geometry gdy, const void* x, Geometry gx, const void* w,
+__global__ void backward_rows(const void* dy, Geometry gdy, int dy_dtype, const void* x, Geometry gx, const void* w,
                               long long w_stride, int dtype, int w_dtype, const float* rstd, void* dx,
-                              long long rows, long long hidden) {
+                              int dx_dtype, long long rows, long long hidden) {
   long long r = blockIdx.x * (long long)blockDim.x + threadIdx.x;
   if (r >= rows) return;
   float s = rstd[r], dot = 0.f;
   for (long long h = 0; h < hidden; ++h) {
-    float g = load(dy, dtype, offset(gdy, r, h)) * (w ? load(w, w_dtype, h * w_stride) : 1.f);
+    float g = load(dy, dy_dtype, offset(gdy, r, h)) * (w ? load(w, w_dtype, h * w_stride) : 1.f);
     dot += g * load(x, dtype, offset(gx, r, h)) * s;
   }
   dot /= hidden;
   for (long long h = 0; h < hidden; ++h) {
-    float g = load(dy, dtype, offset(gdy, r, h)) * (w ? load(w, w_dtype, h * w_stride) : 1.f);
+    float g = load(dy, dy_dtype, offset(gdy, r, h)) * (w ? load(w, w_dtype, h * w_stride) : 1.f);
     float xhat = load(x, dtype, offset(gx, r, h)) * s;
-    store(dx, dtype, r * hidden + h, s * (g - xhat * dot));
+    store(dx, dx_dtype, r * hidden + h, s * (g - xhat * dot));
   }
 }
 
-__global__ void backward_weight(const void* dy, Geometry gdy, const void* x, Geometry gx, int dtype,
-                                const float* rstd, void* dw, int w_dtype, long long rows, long long hidden) {
+__global__ void backward_weight(const void* dy, Geometry gdy, int dy_dtype, const void* x, Geometry gx, int dtype,
+                                const float* rstd, void* dw, int dw_dtype, long long rows, long long hidden) {
   long long h = blockIdx.x * (long long)blockDim.x + threadIdx.x;
   if (h >= hidden) return;
   float acc = 0.f;
   for (long long r = 0; r < rows; ++r)
-    acc += load(dy, dtype, offset(gdy, r, h)) * load(x, dtype, offset(gx, r, h)) * rstd[r];
-  store(dw, w_dtype, h, acc);
+    acc += load(dy, dy_dtype, offset(gdy, r, h)) * load(x, dtype, offset(gx, r, h)) * rstd[r];
+  store(dw, dw_dtype, h, acc);
 }
 
 int fail(char* err, int len, const char* what) {
@@ -117,8 +119,8 @@ extern "C" int kg_forward(const kg_tensor* t, int nt, const double* sc, int, con
   }
   if (rows > 0) {
     forward_rows<<<(rows + 127) / 128, 128, 0, static_cast<cudaStream_t>(stream)>>>(
-        x.data, geometry(x), w.data, w.data ? w.strides[0] : 0, x.dtype, w.data ? w.dtype : 0, out[0].data, rstd,
-        rows, hidden, static_cast<float>(sc[0]));
+        x.data, geometry(x), w.data, w.data ? w.strides[0] : 0, x.dtype, w.data ? w.dtype : 0, out[0].data,
+        out[0].dtype, rstd, rows, hidden, static_cast<float>(sc[0]));
   }
   if (nout == 1) cudaFreeAsync(rstd, static_cast<cudaStream_t>(stream));
   return cudaGetLastError() == cudaSuccess ? 0 : fail(err, err_len, "rms_norm: launch failed");
@@ -129,17 +131,19 @@ extern "C" int kg_backward(const kg_tensor* t, int nt, const double*, int, const
                            int, void* stream, char* err, int err_len) {
   if (nt != 4 || ng != 2) return fail(err, err_len, "rms_norm: expected 4 tensors and 2 gradients");
   const kg_tensor &dy = t[0], &x = t[1], &w = t[2], &rstd = t[3];
+  if (rstd.dtype != KG_FLOAT32) return fail(err, err_len, "rms_norm: expected float32 rstd");
   long long rows = leading(x), hidden = x.sizes[x.ndim - 1];
   auto s = static_cast<cudaStream_t>(stream);
   if (rows > 0 && g[0].data) {
-    backward_rows<<<(rows + 127) / 128, 128, 0, s>>>(dy.data, geometry(dy), x.data, geometry(x), w.data,
+    backward_rows<<<(rows + 127) / 128, 128, 0, s>>>(dy.data, geometry(dy), dy.dtype, x.data, geometry(x), w.data,
                                                      w.data ? w.strides[0] : 0, x.dtype, w.data ? w.dtype : 0,
-                                                     static_cast<const float*>(rstd.data), g[0].data, rows, hidden);
+                                                     static_cast<const float*>(rstd.data), g[0].data, g[0].dtype,
+                                                     rows, hidden);
   }
   if (g[1].data) {
-    backward_weight<<<(hidden + 127) / 128, 128, 0, s>>>(dy.data, geometry(dy), x.data, geometry(x), x.dtype,
+    backward_weight<<<(hidden + 127) / 128, 128, 0, s>>>(dy.data, geometry(dy), dy.dtype, x.data, geometry(x), x.dtype,
                                                          static_cast<const float*>(rstd.data), g[1].data,
-                                                         w.dtype, rows, hidden);
+                                                         g[1].dtype, rows, hidden);
   }
   return cudaGetLastError() == cudaSuccess ? 0 : fail(err, err_len, "rms_norm: launch failed");
 }
