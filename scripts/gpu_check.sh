@@ -52,9 +52,12 @@ if want tests; then
 step "GPU tests"
 # pytest-xdist where installed: the GPU tests' float64 oracles run on the CPU.
 XDIST=(); "$PY" -c "import xdist" 2>/dev/null && XDIST=(-n 8)
-(cd tests/python && "$PY" -m pytest -q -p no:cacheprovider -m gpu "${XDIST[@]}" --junitxml="$OUT/pytest_gpu.xml" . ) \
-  >"$OUT/pytest_gpu.log" 2>&1 || status=1
-grep -E "passed|failed|error" "$OUT/pytest_gpu.log" | tail -15
+# -v: each test's name and result print as it ends, so a run cut by a time limit still says which
+# failed; KG_PYTEST_ARGS narrows it (e.g. -k "liger or fla"); KG_TEST_TIMEOUT bounds each test.
+TIMEOUT=(); "$PY" -c "import pytest_timeout" 2>/dev/null && TIMEOUT=(--timeout="${KG_TEST_TIMEOUT:-300}")
+(cd tests/python && "$PY" -m pytest -v -rfE --tb=short -p no:cacheprovider -m gpu "${XDIST[@]}" "${TIMEOUT[@]}" \
+   --junitxml="$OUT/pytest_gpu.xml" ${KG_PYTEST_ARGS:-} . ) >"$OUT/pytest_gpu.log" 2>&1 || status=1
+grep -E "(FAILED|ERROR) |passed|failed" "$OUT/pytest_gpu.log" | tail -25
 fi
 
 if want demo; then
