@@ -13,6 +13,10 @@ if ! { [ -f /usr/include/gtest/gtest.h ] && [ -f /usr/include/sqlite3.h ] &&
   apt-get update -qq &&
     apt-get install -y -qq libgtest-dev libsqlite3-dev nlohmann-json3-dev >/dev/null
 fi
+# Chromium: the evidence report's PNG and its test in a real headless browser.
+if ! command -v chromium >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+  apt-get update -qq && apt-get install -y -qq chromium >/dev/null
+fi
 for h in gtest/gtest.h sqlite3.h nlohmann/json.hpp; do
   [ -f "/usr/include/$h" ] || { echo "missing /usr/include/$h: apt-get install libgtest-dev libsqlite3-dev nlohmann-json3-dev"; exit 1; }
 done

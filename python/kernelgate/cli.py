@@ -178,6 +178,23 @@ def cmd_loop(args) -> int:
     return 0
 
 
+def cmd_report(args) -> int:
+    from . import report
+
+    ops = None if args.op == "all" else [args.op]
+    stores = None if not args.db else args.db
+    page = report.build(ops, stores)
+    out = args.out or "kernelgate-report.html"
+    with open(out, "w", encoding="utf-8") as f:
+        f.write(page)
+    result = {"html": os.path.abspath(out)}
+    if args.png:
+        report.render_png(out, args.png)
+        result["png"] = os.path.abspath(args.png)
+    print(json.dumps(result) if args.json else "\n".join(f"{k}: {v}" for k, v in result.items()))
+    return 0
+
+
 # ---- evidence: validate, bench run, policy show, db, doctor -------------------------------------
 
 def _db(args) -> str:
@@ -590,6 +607,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     _add_load_arg(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_doctor)
+
+    p = sub.add_parser("report", help="the evidence as one self-contained HTML page (and a PNG of it)")
+    p.add_argument("op", help="an op name, or 'all'")
+    p.add_argument("--db", action="append", default=[],
+                   help="a store to read (repeat; default: the shipped evidence and the local store)")
+    p.add_argument("--out", default=None, help="the HTML file (default kernelgate-report.html)")
+    p.add_argument("--png", default=None, help="also a PNG of the page (needs Chromium)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_report)
 
     p = sub.add_parser("loop", help="the optimization loop: gate, probe and time a candidate backend")
     lp = p.add_subparsers(dest="loop_command", required=True)
