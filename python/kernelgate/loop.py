@@ -49,6 +49,8 @@ import tempfile
 import time
 from typing import Dict, List, Optional, Sequence
 
+import torch
+
 NOISE_MIN = 0.02            # the floor never goes below 2%
 IMPOSSIBLE = 0.8            # a time under 0.8x a copy of the call's bytes is rejected
 GATE_CASES = 32
@@ -313,7 +315,7 @@ class _Case:
     def __init__(self, kg, _C, op: str, enc: str, device: str):
         self.kg, self._C, self.op, self.enc, self.device = kg, _C, op, enc, device
         self.grad = _fields(enc)["grad"] == "1"
-        self.reference = getattr(__import__("torch").ops.kernelgate, f"_{op}_reference")
+        self.reference = getattr(torch.ops.kernelgate, f"_{op}_reference")
 
     def args(self, float64=False, enc=None):
         args, leaves = self._C.case_arguments(enc or self.enc, on_gpu=self.device == "cuda", float64=float64)
@@ -328,8 +330,6 @@ class _Case:
             return self.call(getattr(self.kg, self.op), args, leaves, cots)
 
     def call(self, fn, args, leaves, cots=None):
-        import torch
-
         outs = fn(*args)
         outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
         if not (self.grad and leaves):
@@ -360,21 +360,17 @@ class _Case:
 
 def _sync(device: str) -> None:
     if device == "cuda":
-        import torch
-
         torch.cuda.synchronize()
 
 
 def _same(a, b) -> bool:
     """Bitwise equal (NaN included)."""
     a, b = a.detach().contiguous(), b.detach().contiguous()
-    return a.shape == b.shape and a.dtype == b.dtype and bool((a.view(-1).view(__import__("torch").uint8)
-                                                               == b.view(-1).view(__import__("torch").uint8)).all())
+    return (a.shape == b.shape and a.dtype == b.dtype
+            and bool((a.view(-1).view(torch.uint8) == b.view(-1).view(torch.uint8)).all()))
 
 
 def _probes(case: _Case, cid: str) -> None:
-    import torch
-
     from .testing import poison_cuda_allocator
 
     dev = torch.device(case.device)
@@ -442,8 +438,6 @@ def _probes(case: _Case, cid: str) -> None:
 
 def _refill(args, values) -> None:
     """New values into the same tensors (their data pointers unchanged)."""
-    import torch
-
     with torch.no_grad():
         for a, v in zip(args, values):
             if isinstance(a, torch.Tensor):
@@ -456,8 +450,6 @@ class _Timer:
 
     @contextlib.contextmanager
     def __call__(self, out: list):
-        import torch
-
         if self.device == "cuda":
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
@@ -472,15 +464,11 @@ class _Timer:
 
 
 def _nbytes(ts) -> int:
-    import torch
-
     return sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor))
 
 
 def _copy_us(device: str, nbytes: int, timer: _Timer) -> float:
     """Median time of copying nbytes / 2 bytes (nbytes of traffic: read and write)."""
-    import torch
-
     n = max(1, nbytes // 2)
     src = torch.empty(n, dtype=torch.uint8, device=device).random_(0, 255)
     dst = torch.empty_like(src)
@@ -494,8 +482,6 @@ def _copy_us(device: str, nbytes: int, timer: _Timer) -> float:
 def _time_case(case: _Case, cid: str, backends: List[str], timer: _Timer, seed: int, budget_s: float) -> dict:
     """Interleaved repetitions of each backend, each on one of VALUE_SETS value sets copied into
     the same tensors (untimed) and its result checked against that set's oracle (untimed)."""
-    import torch
-
     args, leaves = case.args()
     sets = []
     for k in range(VALUE_SETS):
@@ -533,8 +519,6 @@ def _time_case(case: _Case, cid: str, backends: List[str], timer: _Timer, seed: 
 
 
 def worker(spec: dict) -> dict:
-    import torch
-
     import kernelgate as kg
     from kernelgate import _C
 
