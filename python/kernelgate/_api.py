@@ -8,6 +8,7 @@ from typing import Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, 
 import torch
 
 from . import _C
+from .testing import encode_case
 
 
 @dataclasses.dataclass
@@ -124,10 +125,6 @@ class Warmup:
 _LAYOUTS = ("contiguous", "row_strided", "offset", "transposed", "expanded")
 
 
-def _escape(value: str) -> str:
-    return "".join(f"%{ord(c):02X}" if c in "%;=" else c for c in value)
-
-
 def _shape_calls(info: dict, shapes, dtype, variants, layout: str, grad: bool, device) -> List[tuple]:
     """Example calls of the op built from named dims (as the sweeps build theirs)."""
     op = info["name"]
@@ -167,8 +164,7 @@ def _shape_calls(info: dict, shapes, dtype, variants, layout: str, grad: bool, d
                   "strings": ",".join(f"{a}={v}" for a, v in sorted(strings.items())),
                   "optional": "1", "grad": "1" if grad else "0", "seed": "0"}
         try:
-            args, _ = _C.case_arguments(";".join(f"{k}={_escape(v)}" for k, v in fields.items()),
-                                        on_gpu=device.type == "cuda")
+            args, _ = _C.case_arguments(encode_case(fields), on_gpu=device.type == "cuda")
         except (RuntimeError, ValueError) as exc:
             raise ValueError(f"warmup: {op} with dims {dict(dims)}: {str(exc).splitlines()[0]}") from None
         if device.type == "cuda" and (device.index or 0) != 0:

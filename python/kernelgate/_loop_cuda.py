@@ -56,10 +56,10 @@ class KgTensor(ctypes.Structure):
                 ("sizes", ctypes.c_int64 * 8), ("strides", ctypes.c_int64 * 8)]
 
 
-def _entry(argtypes_len: int = 12):
-    return [ctypes.POINTER(KgTensor), ctypes.c_int, ctypes.POINTER(ctypes.c_double), ctypes.c_int,
-            ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.POINTER(KgTensor), ctypes.c_int, ctypes.c_int,
-            ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int][:argtypes_len]
+# kg_forward's and kg_backward's parameters (HEADER).
+_ENTRY = [ctypes.POINTER(KgTensor), ctypes.c_int, ctypes.POINTER(ctypes.c_double), ctypes.c_int,
+          ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.POINTER(KgTensor), ctypes.c_int, ctypes.c_int,
+          ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
 
 
 def arch() -> str:
@@ -139,11 +139,11 @@ def wrap(info: dict, lib_path: str):
     for name in ("kg_forward", "kg_backward"):
         fn = getattr(lib, name, None)
         if fn is not None:
-            fn.argtypes, fn.restype = _entry(), ctypes.c_int
+            fn.argtypes, fn.restype = _ENTRY, ctypes.c_int
             entries[name] = fn
 
-    def call(fn, schema, values, results, needs, device):
-        tensors, scalars, strings = _split(schema, values, variants)
+    def call(fn, split, results, needs, device):
+        tensors, scalars, strings = split
         kt = (KgTensor * max(1, len(tensors)))(*[_as_kg(t) for t in tensors])
         ko = (KgTensor * max(1, len(results)))(*[_as_kg(t) for t in results])
         sc = (ctypes.c_double * max(1, len(scalars)))(*scalars)
@@ -162,14 +162,13 @@ def wrap(info: dict, lib_path: str):
         raise AttributeError("the library defines no kg_forward")
 
     def forward(*args):
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        device = tensors[0].device
-        needs = sum(1 << i for i, a in enumerate(_split(info["forward_schema"], args, variants)[0])
-                    if isinstance(a, torch.Tensor) and a.requires_grad)
+        split = _split(info["forward_schema"], args, variants)
+        device = next(t for t in split[0] if t is not None).device
+        needs = sum(1 << i for i, t in enumerate(split[0]) if t is not None and t.requires_grad)
         metas = fwd_meta(*[_meta(a) for a in args], needs)
         metas = list(metas) if isinstance(metas, (tuple, list)) else [metas]
         results = [empty_like_meta(m, device) for m in (metas if needs else metas[:n_out])]
-        call(entries["kg_forward"], info["forward_schema"], args, results, needs, device)
+        call(entries["kg_forward"], split, results, needs, device)
         return results[0] if len(results) == 1 else tuple(results)
 
     backward = None
@@ -182,7 +181,7 @@ def wrap(info: dict, lib_path: str):
             metas = bwd_meta(*[_meta(a) for a in args], needs)
             metas = list(metas) if isinstance(metas, (tuple, list)) else [metas]
             grads = [empty_like_meta(m, device) for m in metas[:n_grad]]
-            call(entries["kg_backward"], info["backward_schema"], args, grads, needs, device)
+            call(entries["kg_backward"], _split(info["backward_schema"], args, variants), grads, needs, device)
             return grads[0] if len(grads) == 1 else tuple(grads)
 
     return forward, backward

@@ -40,7 +40,6 @@ import json
 import math
 import os
 import random
-import re
 import secrets
 import shutil
 import subprocess
@@ -50,6 +49,8 @@ import time
 from typing import Dict, List, Optional, Sequence
 
 import torch
+
+from .testing import case_fields, encode_case
 
 NOISE_MIN = 0.02            # the floor never goes below 2%
 IMPOSSIBLE = 0.8            # a time under 0.8x a copy of the call's bytes is rejected
@@ -300,21 +301,12 @@ def _reseed(cid: str, enc: str, seed: int) -> tuple:
     return cid.rsplit("/seed=", 1)[0] + f"/seed={seed}", ";".join(fields)
 
 
-def _fields(enc: str) -> dict:
-    """A case's fields (the harness's key=value;... encoding, values %XX-escaped)."""
-    out = {}
-    for item in enc.split(";"):
-        k, _, v = item.partition("=")
-        out[k] = re.sub("%([0-9A-Fa-f]{2})", lambda m: chr(int(m.group(1), 16)), v)
-    return out
-
-
 class _Case:
     """A case's calls: the candidate or the incumbent forced, the reference, float64 oracle."""
 
     def __init__(self, kg, _C, op: str, enc: str, device: str):
         self.kg, self._C, self.op, self.enc, self.device = kg, _C, op, enc, device
-        self.grad = _fields(enc)["grad"] == "1"
+        self.grad = case_fields(enc)["grad"] == "1"
         self.reference = getattr(torch.ops.kernelgate, f"_{op}_reference")
 
     def args(self, float64=False, enc=None):
@@ -424,7 +416,7 @@ def _probes(case: _Case, cid: str) -> None:
     args, leaves = case.args()
     got, _ = case.run(CANDIDATE, args, leaves, cots)
     del got
-    other = _reseed(cid, case.enc, int(_fields(case.enc)["seed"]) + 1)[1]
+    other = _reseed(cid, case.enc, int(case_fields(case.enc)["seed"]) + 1)[1]
     _refill(args, case.args(enc=other)[0])
     poison_cuda_allocator(dev)
     ref2, ora2, _ = case.expected(enc=other)
@@ -608,8 +600,6 @@ def worker(spec: dict) -> dict:
 
 def _shape_cases(op: str, shapes: List[Dict[str, int]], dtype: str) -> List[tuple]:
     """Cases of the given dims (contiguous, ordinary values), with and without gradients."""
-    from ._api import _escape
-
     out = []
     for dims in shapes:
         joined = ",".join(f"{d}={v}" for d, v in sorted(dims.items()))
@@ -617,12 +607,12 @@ def _shape_cases(op: str, shapes: List[Dict[str, int]], dtype: str) -> List[tupl
             fields = {"op": op, "dims": joined, "dtype": dtype, "layout": "contiguous", "regime": "normal",
                       "scalars": "", "strings": "", "optional": "1", "grad": grad, "seed": "0"}
             cid = f"{op}/{joined}/{dtype}/contiguous/normal/{'grad' if grad == '1' else 'nograd'}/seed=0"
-            out.append((cid, ";".join(f"{k}={_escape(v)}" for k, v in fields.items())))
+            out.append((cid, encode_case(fields)))
     return out
 
 
 def _case_elements(enc: str) -> int:
-    dims = [int(kv.split("=")[1]) for kv in _fields(enc)["dims"].split(",") if kv]
+    dims = [int(kv.split("=")[1]) for kv in case_fields(enc)["dims"].split(",") if kv]
     return math.prod(dims) if dims else 0
 
 

@@ -116,6 +116,7 @@ def build(ops: Optional[Sequence[str]] = None, stores: Optional[Sequence[str]] =
         if op not in known:
             raise ValueError(f"unknown op '{op}'; kernelgate has: {', '.join(sorted(known))}")
     rows = _rows(stores, ops)
+    this = _C.fingerprint()
     by_op: Dict[str, List[dict]] = {}
     for r in rows:
         by_op.setdefault(r["op"], []).append(r)
@@ -127,7 +128,7 @@ def build(ops: Optional[Sequence[str]] = None, stores: Optional[Sequence[str]] =
            "h2{border-bottom:2px solid #333;padding-bottom:4px}</style></head><body>",
            "<h1>kernelgate evidence</h1>",
            f"<p>{len(rows)} results from {len([s for s in stores if os.path.exists(s)])} stores; this build: "
-           f"kernelgate {e(_C.fingerprint()['kernelgate_version'])}, torch {e(_C.fingerprint()['torch_version'])}."
+           f"kernelgate {e(this['kernelgate_version'])}, torch {e(this['torch_version'])}."
            "</p>"]
     if not rows:
         out.append("<p>No evidence in these stores (kernelgate bench run makes some).</p>")

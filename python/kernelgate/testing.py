@@ -19,11 +19,26 @@ the 16-bit types, and for float32 room for a different reduction order over ~10^
 The max metric catches a single bad row or element that the L2 metric would average away.
 """
 
-from typing import Callable, Dict, Optional, Sequence
+import re
+from typing import Callable, Dict, Mapping, Optional, Sequence
 
 import torch
 
 from . import _C
+
+
+def case_fields(encoded: str) -> Dict[str, str]:
+    """A harness case's fields (its key=value;... encoding, values %XX-escaped)."""
+    out = {}
+    for item in encoded.split(";"):
+        k, _, v = item.partition("=")
+        out[k] = re.sub("%([0-9A-Fa-f]{2})", lambda m: chr(int(m.group(1), 16)), v)
+    return out
+
+
+def encode_case(fields: Mapping[str, str]) -> str:
+    """The inverse of case_fields: what _C.case_arguments and _C.run_case take."""
+    return ";".join(k + "=" + "".join(f"%{ord(c):02X}" if c in "%;=" else c for c in v) for k, v in fields.items())
 
 
 def oracle_metrics(name: str, got: torch.Tensor, ref: torch.Tensor, oracle: torch.Tensor,

@@ -23,7 +23,6 @@ that op's own test file. pyops_example.py holds the Python-defined op and Python
 
 import json
 import math
-import re
 
 import pytest
 import torch
@@ -32,6 +31,7 @@ import kernelgate as kg
 import pyops_example
 from kernelgate import _C, cli
 from kernelgate.testing import assert_cuda_graph_replays, check_against_oracle, oracle_metrics
+from kernelgate.testing import case_fields as fields
 
 INFO = {o["name"]: o for o in kg.ops()}  # at collection: before any test loads a plugin
 OPS = sorted(INFO)
@@ -198,15 +198,6 @@ def require_available(op: str, backend: str) -> None:
 
 
 # ---- cases ---------------------------------------------------------------------------------------
-
-def fields(encoded: str) -> dict:
-    """A case's fields (the harness's key=value;... encoding, values %XX-escaped)."""
-    out = {}
-    for item in encoded.split(";"):
-        k, _, v = item.partition("=")
-        out[k] = re.sub("%([0-9A-Fa-f]{2})", lambda m: chr(int(m.group(1), 16)), v)
-    return out
-
 
 def cases(op: str, grid: str = "smoke", dtype: str = "float32", **where):
     """(case_id, encoded) of the op's generated cases (small sizes) whose fields match `where`."""
