@@ -5,6 +5,9 @@
 # KG_PREFIX (include/ and lib/, lib/cmake/benchmark).
 #   KG_STEPS="build ctest tests demo benchmarks dispatch"   the steps to run (default: all)
 #   KG_CUDA_ARCHS=90a-real                                  build for these CUDA architectures only
+# Each GPU test failure is written to $OUT/pytest_failures.log as it happens (KG_FAILURE_LOG in
+# tests/python/conftest.py). For one pair: scripts/oracle_diag.py (the float64 oracle) and
+# scripts/capture_diag.py (CUDA-graph capture, library direct vs routed).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
@@ -55,7 +58,7 @@ XDIST=(); "$PY" -c "import xdist" 2>/dev/null && XDIST=(-n 8)
 # -v: each test's name and result print as it ends, so a run cut by a time limit still says which
 # failed; KG_PYTEST_ARGS narrows it (e.g. -k "liger or fla"); KG_TEST_TIMEOUT bounds each test.
 TIMEOUT=(); "$PY" -c "import pytest_timeout" 2>/dev/null && TIMEOUT=(--timeout="${KG_TEST_TIMEOUT:-300}")
-(cd tests/python && "$PY" -m pytest -v -rfE --tb=short -p no:cacheprovider -m gpu "${XDIST[@]}" "${TIMEOUT[@]}" \
+(cd tests/python && KG_FAILURE_LOG="$OUT/pytest_failures.log" "$PY" -m pytest -v -rfE --tb=short -p no:cacheprovider -m gpu "${XDIST[@]}" "${TIMEOUT[@]}" \
    --junitxml="$OUT/pytest_gpu.xml" ${KG_PYTEST_ARGS:-} . ) >"$OUT/pytest_gpu.log" 2>&1 || status=1
 grep -E "(FAILED|ERROR) |passed|failed" "$OUT/pytest_gpu.log" | tail -25
 fi

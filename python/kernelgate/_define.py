@@ -121,7 +121,7 @@ def register_backend(op: str, name: str, forward: Fn, backward: Optional[Fn] = N
                      device: Optional[str] = None, dtypes: Optional[Sequence[torch.dtype]] = None,
                      variants: Optional[Dict[str, Sequence[str]]] = None,
                      present: Sequence[str] = (), capturable: bool = True, nonempty: bool = False,
-                     max_row_bytes: Optional[int] = None) -> None:
+                     max_row_bytes: Optional[int] = None, grad_request: bool = False) -> None:
     """Adds a backend of `op` written in Python.
 
     forward(*args) takes the op's arguments in schema order and returns its outputs (a tensor or
@@ -145,6 +145,11 @@ def register_backend(op: str, name: str, forward: Fn, backward: Optional[Fn] = N
     that syncs with the host, which never serves under CUDA-graph capture. Under capture a Python
     backend serves only calls it served eagerly before (``kg.warmup``).
 
+    grad_request=True: forward also gets the keyword ``needs_grad``, a tuple of the names of the
+    tensor arguments the call needs gradients for (empty: none). A forward that computes
+    gradient work only when asked should read it, not ``requires_grad``: AOT autograd and
+    torch.compile call forwards on tensors that do not carry it.
+
     package names the distribution (its pip name) the backend comes from: its version joins the
     fingerprint of the backend's evidence, and while it is not installed the backend is listed
     as unavailable with that reason. forward / backward may be "module:attr" strings, imported
@@ -158,7 +163,7 @@ def register_backend(op: str, name: str, forward: Fn, backward: Optional[Fn] = N
         raise ValueError(f"unknown op '{op}'; kernelgate has: {', '.join(sorted(ops))}")
     key = (op, name)
     given = tuple(f if isinstance(f, (str, type(None))) else _code_hash(f)
-                  for f in (forward, backward, can_implement)) + (package,)
+                  for f in (forward, backward, can_implement)) + (package, grad_request)
     if not _claim(key, given):
         return
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.-]*", name):
@@ -181,22 +186,25 @@ def register_backend(op: str, name: str, forward: Fn, backward: Optional[Fn] = N
             available, reason = False, f"cannot import it: {exc}"
     if available:
         version = ";".join(v for v in (version, f"code={_code_hash(fwd, bwd, can_implement)}") if v)
-    _C.register_backend(op, name, fwd, bwd, can_implement, needs, available, reason, version)
+    _C.register_backend(op, name, fwd, bwd, can_implement, needs, available, reason, version,
+                        grad_request=bool(grad_request))
     _registered[key] = given
     evidence.install()  # the evidence source learns the new backend's fingerprint
 
 
 def register_library_backend(op: str, name: str, *, forward: str, backward: Optional[str],
-                             needs: dict, available: bool, reason: str, version: str) -> None:
+                             needs: dict, available: bool, reason: str, version: str,
+                             grad_request: bool = False) -> None:
     """A backend of one of the field's libraries (kernelgate.backends): its forward and backward
     are "module:attr" strings the engine imports at the first call; `needs` is requirements()'s;
     `available` and `version` come from the library's installed distribution. The caller
     installs the evidence after."""
     key = (op, name)
-    given = (forward, backward, None, version)
+    given = (forward, backward, None, version, grad_request)
     if not _claim(key, given):
         return
-    _C.register_backend(op, name, forward, backward, None, needs, available, reason, version)
+    _C.register_backend(op, name, forward, backward, None, needs, available, reason, version,
+                        grad_request=grad_request)
     _registered[key] = given
 
 

@@ -505,7 +505,8 @@ PYBIND11_MODULE(_C, m) {
   });
   m.def("register_backend", &register_python_backend, py::arg("op"), py::arg("name"),
         py::arg("forward"), py::arg("backward"), py::arg("can_implement"), py::arg("requirements"),
-        py::arg("available"), py::arg("reason"), py::arg("version"));
+        py::arg("available"), py::arg("reason"), py::arg("version"),
+        py::arg("grad_request") = false);
   m.def("define_op", [](const py::dict& spec) { return static_cast<int>(define_python_op(spec)); });
   m.def("die_with_parent", &harness::die_with_parent);
   m.def("simulate_capture_for_tests", &simulate_capture_for_tests,

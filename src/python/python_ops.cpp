@@ -82,8 +82,9 @@ py::object resolve(const py::object& fn, const std::string& what) {
 }
 
 // Calls `fn`; a Python exception becomes a c10::Error naming `what`.
-py::object call(const py::object& fn, const py::tuple& args, const std::string& what) {
-  PyObject* r = PyObject_Call(fn.ptr(), args.ptr(), nullptr);
+py::object call(const py::object& fn, const py::tuple& args, const std::string& what,
+                PyObject* kwargs = nullptr) {
+  PyObject* r = PyObject_Call(fn.ptr(), args.ptr(), kwargs);
   if (r == nullptr) {
     py::error_already_set e;
     TORCH_CHECK(false, what, " raised: ", e.what());
@@ -94,6 +95,7 @@ py::object call(const py::object& fn, const py::tuple& args, const std::string& 
 struct Protocol {
   size_t nargs = 0, n_out = 0, n_extra = 0, n_bwd_args = 0, n_grads = 0;
   std::vector<std::string> outputs, extras;
+  std::vector<std::string> tensor_args;  // by position: GradRequest's bits
 };
 
 Protocol protocol_of(const OpContract& c) {
@@ -107,6 +109,7 @@ Protocol protocol_of(const OpContract& c) {
   p.n_grads = bwd.returns().size();
   p.outputs = c.outputs;
   p.extras = c.extras;
+  for (const auto& t : c.tensor_args) p.tensor_args.push_back(t.name);
   return p;
 }
 
@@ -118,20 +121,33 @@ std::string names(const std::vector<std::string>& v) {
 
 class PythonBackend final : public BackendImpl {
  public:
-  PythonBackend(std::string what, Protocol p, py::object fwd, py::object bwd)
+  PythonBackend(std::string what, Protocol p, py::object fwd, py::object bwd, bool grad_request)
       : what_(std::move(what)),
         fwd_what_(what_ + " forward"),
         bwd_what_(what_ + " backward"),
         p_(std::move(p)),
         fwd_(new py::object(std::move(fwd))),
-        bwd_(bwd.is_none() ? nullptr : new py::object(std::move(bwd))) {}
+        bwd_(bwd.is_none() ? nullptr : new py::object(std::move(bwd))),
+        grad_request_(grad_request) {}
 
   // Returns the outputs, or the outputs and the extras (required when gradients are needed).
+  // With grad_request, the forward also gets needs_grad=: the names of the tensor arguments the
+  // call needs gradients for. requires_grad cannot say it: AOT autograd and torch.compile call
+  // the forward on tensors that do not carry it.
   void forward(torch::jit::Stack& s, GradRequest need) const override {
     py::gil_scoped_acquire gil;
     if (!resolved_) resolve_callables();
     py::tuple args = pop_args(s, p_.nargs);
-    auto got = tensors_of(call(*fwd_, args, fwd_what_), fwd_what_);
+    py::dict kwargs;
+    if (grad_request_) {
+      py::list names;
+      for (size_t i = 0; i < p_.tensor_args.size(); ++i) {
+        if (need(static_cast<int>(i))) names.append(p_.tensor_args[i]);
+      }
+      kwargs["needs_grad"] = py::tuple(names);
+    }
+    auto got = tensors_of(call(*fwd_, args, fwd_what_, grad_request_ ? kwargs.ptr() : nullptr),
+                          fwd_what_);
     const bool extras_needed = need.any() && p_.n_extra > 0;
     TORCH_CHECK(got.size() == p_.n_out + p_.n_extra || (!extras_needed && got.size() == p_.n_out),
                 what_, " forward returned ", got.size(), " tensors, expected ", p_.n_out, " (",
@@ -169,6 +185,7 @@ class PythonBackend final : public BackendImpl {
   // Leaked on purpose (see the note at the top).
   py::object* fwd_;
   py::object* bwd_;
+  bool grad_request_;
   mutable bool resolved_ = false;
 };
 
@@ -441,7 +458,7 @@ py::object FastOp::call(const py::args& args) const {
 int register_python_backend(const std::string& op, const std::string& name, py::object forward,
                             py::object backward, py::object can_implement,
                             const py::dict& requirements, bool available, const std::string& reason,
-                            const std::string& version) {
+                            const std::string& version, bool grad_request) {
   const OpEntry* e = Dispatcher::get().find_op(op);
   if (e == nullptr) throw py::value_error("unknown op '" + op + "'");
   BackendDesc d;
@@ -454,7 +471,7 @@ int register_python_backend(const std::string& op, const std::string& name, py::
   } else {
     d.impl =
         std::make_shared<PythonBackend>(op + " backend '" + name + "'", protocol_of(e->contract),
-                                        std::move(forward), std::move(backward));
+                                        std::move(forward), std::move(backward), grad_request);
     const std::string what = op + " backend '" + name + "'";
     CanImplement python;
     if (!can_implement.is_none()) python = python_can_implement(std::move(can_implement), what);

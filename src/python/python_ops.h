@@ -37,11 +37,13 @@ class FastOp {
 // what is checked in C++ before it ("device": "cuda", "dtypes": [...], "variants": {arg:
 // [values]}, "present": [optional tensor args]). forward / backward may be "module:attr"
 // strings, imported at the first call. An unavailable backend is listed with `reason`.
-// `version` joins its evidence's fingerprint.
+// `version` joins its evidence's fingerprint. grad_request: the forward also gets needs_grad=
+// (the names of the tensor arguments the call needs gradients for).
 int register_python_backend(const std::string& op, const std::string& name,
                             pybind11::object forward, pybind11::object backward,
                             pybind11::object can_implement, const pybind11::dict& requirements,
-                            bool available, const std::string& reason, const std::string& version);
+                            bool available, const std::string& reason, const std::string& version,
+                            bool grad_request);
 
 // Defines an op from a spec (kernelgate/_define.py builds it): schema, dims, dtypes, test
 // values, dim ranges, production shapes, variants, index ranges, dim multiples, no_grad,

@@ -19,6 +19,17 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, _workers)))
 
 
+# KG_FAILURE_LOG=path: each failure's report is appended there as the test ends (under xdist the
+# summary comes only at the end of the run, which a device time limit may cut).
+_FAILURE_LOG = os.environ.get("KG_FAILURE_LOG")
+
+
+def pytest_runtest_logreport(report):
+    if _FAILURE_LOG and report.failed and not os.environ.get("PYTEST_XDIST_WORKER"):
+        with open(_FAILURE_LOG, "a") as f:
+            f.write(f"== {report.nodeid} ({report.when})\n{report.longreprtext[-4000:]}\n\n")
+
+
 def pytest_collection_modifyitems(config, items):
     # A GPU test that runs where there is no GPU fails; it is never silently skipped. Machines
     # without a GPU deselect them with -m "not gpu" (scripts/test.sh does), which pytest reports.

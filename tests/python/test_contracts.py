@@ -733,6 +733,15 @@ KNOWN_CAPTURE_FAILURES = {
     ("cross_entropy", "eager"): (False, "the same cudaErrorStreamCaptureImplicit: the plain PyTorch code's "
                                  "autograd during capture (seen once, under pytest -n 8)"),
 }
+# The same cudaErrorStreamCaptureImplicit ("would make the legacy stream depend on a capturing
+# blocking stream") in the backward of these library pairs on the H200, in two runs each (pytest
+# -n 8 and -n 14); rms_norm/liger, swiglu/liger and layer_norm/fla passed in the same runs. Routed
+# through kernelgate at 128 x 2048 each is captured and replayed, its backward on the capturing
+# stream (scripts/capture_diag.py): the cause is not isolated yet, so not strict.
+KNOWN_CAPTURE_FAILURES.update({
+    pair: (False, "cudaErrorStreamCaptureImplicit in the backward during capture under pytest -n 8 / -n 14 "
+                  "on the H200 (not isolated: scripts/capture_diag.py captures it routed)")
+    for pair in [("layer_norm", "liger"), ("geglu", "liger"), ("rms_norm", "fla"), ("swiglu", "fla")]})
 
 
 # Library backends that sync with the host never serve under capture (they are refused there,

@@ -281,6 +281,33 @@ def test_gpu_a_routed_library_call_syncs_no_more_than_the_library(op, name):
 
 # ---- warmup and the CUDA-graph rule for JIT (Python) backends -------------------------------------
 
+def test_grad_request_tells_a_forward_which_gradients_the_call_needs():
+    """grad_request=True: forward gets needs_grad, the tensor arguments needing gradients, also
+    where the tensors it gets carry no requires_grad (AOT autograd's traced forward)."""
+    seen = []
+
+    def fwd(gate, up, *, needs_grad):
+        seen.append(needs_grad)
+        return torch.ops.kernelgate._swiglu_reference(gate, up)
+
+    def bwd(dc, gate, up):
+        s = torch.sigmoid(gate)
+        return dc * up * s * (1 + gate * (1 - s)), dc * gate * s
+
+    kg.register_backend("swiglu", "test_grad_request", fwd, bwd, device="cpu", grad_request=True)
+    g, u = torch.randn(3, 40), torch.randn(3, 40)
+    with kg.use(force={"swiglu": "test_grad_request"}):
+        kg.swiglu(g, u)
+        kg.swiglu(g.requires_grad_(), u)
+        kg.swiglu(g, u.requires_grad_()).sum().backward()
+        assert seen == [(), ("gate",), ("gate", "up")]
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda a, b: kg.swiglu(a, b).sum(), backend="aot_eager", fullgraph=True)
+        compiled(g, u.detach()).backward()
+        assert seen[-1] == ("gate",), seen
+        torch._dynamo.reset()
+
+
 @pytest.fixture
 def simulated_capture():
     """Every call made as if a CUDA graph were being captured, while `on` is set."""

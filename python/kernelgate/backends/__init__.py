@@ -41,6 +41,7 @@ class LibraryBackend:
     present: Sequence[str] = ()
     capturable: bool = True  # False: it syncs with the host, so never under CUDA-graph capture
     max_row_bytes: Optional[int] = None  # the first tensor's last dim, in bytes
+    grad_request: bool = False  # forward gets needs_grad= (kg.register_backend's grad_request)
 
 
 LIBRARIES: Dict[str, Library] = {
@@ -58,15 +59,16 @@ BACKENDS: List[LibraryBackend] = [
     # cat(freqs, freqs) layout, halves equal), where our rope takes any cos and sin; which a
     # call has cannot be known without reading them (a sync), so it could serve wrong answers.
     # Liger's cross-entropy counts the valid rows on the host (.item()): not capturable.
-    LibraryBackend("liger", "cross_entropy", "liger", "cross_entropy_fwd", "cross_entropy_bwd", capturable=False),
+    LibraryBackend("liger", "cross_entropy", "liger", "cross_entropy_fwd", "cross_entropy_bwd", capturable=False,
+                   grad_request=True),
     # mean and sum: Liger computes the gradients in its forward; float16 and "none" would need
     # the recomputing backward our op uses there.
     LibraryBackend("liger", "linear_cross_entropy", "liger", "linear_cross_entropy_fwd",
                    "linear_cross_entropy_bwd", dtypes=(torch.float32, torch.bfloat16),
-                   variants={"reduction": ["mean", "sum"]}, capturable=False),
+                   variants={"reduction": ["mean", "sum"]}, capturable=False, grad_request=True),
     LibraryBackend("liger", "linear_cross_entropy", "liger_fp32_accum", "linear_cross_entropy_fp32_accum_fwd",
                    "linear_cross_entropy_bwd", dtypes=(torch.float32, torch.bfloat16),
-                   variants={"reduction": ["mean", "sum"]}, capturable=False),
+                   variants={"reduction": ["mean", "sum"]}, capturable=False, grad_request=True),
     # FLA's norms refuse rows of more than 64 KiB.
     LibraryBackend("fla", "rms_norm", "fla", "rms_norm_fwd", "rms_norm_bwd", max_row_bytes=65536),
     LibraryBackend("fla", "layer_norm", "fla", "layer_norm_fwd", "layer_norm_bwd", max_row_bytes=65536),
@@ -127,7 +129,8 @@ def install() -> None:
             # Several of the libraries' kernels fail on tensors without elements (a grid of 0).
             needs=requirements(ops[b.op], "cuda", b.dtypes, b.variants, b.present, b.capturable,
                                nonempty=True, max_row_bytes=b.max_row_bytes),
-            available=available, reason=reason, version=versions.get(b.library, ""))
+            available=available, reason=reason, version=versions.get(b.library, ""),
+            grad_request=b.grad_request)
 
 
 def libraries() -> List[dict]:

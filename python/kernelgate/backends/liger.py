@@ -98,11 +98,13 @@ def _mean_of_none(loss, target, ignore_index, reduction):
     return torch.where((target != ignore_index).any(), loss, torch.nan)
 
 
-def cross_entropy_fwd(logits, target, ignore_index, label_smoothing, reduction):
-    training = logits.requires_grad
-    # A contiguous copy: of strided logits Liger makes one itself, which (our forward runs without
-    # grad mode) does not require grad, and then its kernel computes no gradient.
-    x = logits.detach().clone(memory_format=torch.contiguous_format).requires_grad_(True) if training else logits
+def cross_entropy_fwd(logits, target, ignore_index, label_smoothing, reduction, *, needs_grad):
+    training = "logits" in needs_grad
+    # Always a copy: Liger's kernel writes over its input (zeros the rows of ignored targets even
+    # without gradients; with them, the gradient), and our inputs are never modified. Contiguous:
+    # of strided logits Liger makes its own copy, which (our forward runs without grad mode) does
+    # not require grad, and then its kernel computes no gradient.
+    x = logits.detach().clone(memory_format=torch.contiguous_format).requires_grad_(training)
     loss, _, _, _, grad = _ce.cross_entropy_forward(x, target, None, ignore_index, 0.0, label_smoothing,
                                                      reduction, None, False)
     loss = _mean_of_none(loss, target, ignore_index, reduction).to(logits.dtype)
@@ -125,24 +127,32 @@ def cross_entropy_bwd(dloss, logits, target, lse, n_valid, ignore_index, label_s
 # computes the gradients, which our op scales in its backward. accum_dtype is Liger's option for
 # the grad_weight accumulator (None: the weight's dtype, Liger's default).
 
-def _lce_fwd(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, accum_dtype):
-    grads = hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+def _lce_fwd(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, accum_dtype,
+             needs_grad):
+    grads = bool(needs_grad)
     loss, _, _, _, gh, gw, gb = _lce.fused_linear_cross_entropy_forward(
         hidden, weight, target, None, bias, ignore_index, 0.0, label_smoothing, reduction, None, False,
-        accum_dtype, compute_gradients=grads, weight_requires_grad=grads and weight.requires_grad)
+        accum_dtype, compute_gradients=grads, weight_requires_grad="weight" in needs_grad)
     loss = _mean_of_none(loss, target, ignore_index, reduction).to(hidden.dtype)
     if not grads:
         return loss
-    return loss, None, gh, gw, gb
+    # The lse is our recomputing backward's, which these backends never reach: a NaN placeholder
+    # of its shape (the op's meta says [rows] float32).
+    lse = torch.full((hidden.shape[0],), float("nan"), dtype=torch.float32, device=hidden.device)
+    return (loss, lse, gh if "hidden" in needs_grad else None, gw if "weight" in needs_grad else None,
+            gb if "bias" in needs_grad else None)
 
 
-def linear_cross_entropy_fwd(hidden, weight, target, bias, ignore_index, label_smoothing, reduction):
-    return _lce_fwd(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, None)
+def linear_cross_entropy_fwd(hidden, weight, target, bias, ignore_index, label_smoothing, reduction,
+                             *, needs_grad):
+    return _lce_fwd(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, None,
+                    needs_grad)
 
 
 def linear_cross_entropy_fp32_accum_fwd(hidden, weight, target, bias, ignore_index, label_smoothing,
-                                        reduction):
-    return _lce_fwd(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, torch.float32)
+                                        reduction, *, needs_grad):
+    return _lce_fwd(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, torch.float32,
+                    needs_grad)
 
 
 def linear_cross_entropy_bwd(*args):
