@@ -359,6 +359,9 @@ class Dispatcher {
   void add_policy_rule(PolicyRule rule);
   void clear_policy();
   std::string describe_policy() const;
+  // Changes with every change of policy or overrides: a decision cached under one generation
+  // holds while it lasts.
+  uint64_t generation() const;
 
   // Overrides, process-wide. op "" means every op. Forcing wins over policy; an excluded backend
   // is never chosen (the reference cannot be excluded). A forced backend that cannot implement a

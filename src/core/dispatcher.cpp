@@ -525,6 +525,10 @@ void Dispatcher::clear_policy() {
   impl_->bump();
 }
 
+uint64_t Dispatcher::generation() const {
+  return impl_->generation.load(std::memory_order_acquire);
+}
+
 std::string Dispatcher::describe_policy() const {
   std::shared_ptr<PolicySource> evidence;
   std::string text;

@@ -388,6 +388,8 @@ PYBIND11_MODULE(_C, m) {
       py::arg("evidence") = "");
   m.def("clear_policy", [] { Dispatcher::get().clear_policy(); });
   m.def("describe_policy", [] { return Dispatcher::get().describe_policy(); });
+  m.def("generation", [] { return Dispatcher::get().generation(); },
+        "Changes with every change of policy or overrides (for caches of decisions)");
   m.def("cuda_arch", &cuda_arch);
   m.def(
       "fingerprint",

@@ -1,0 +1,134 @@
+"""Drop-in replacements for flash-linear-attention (FLA) functions: the same signatures and the
+same returns.
+
+    from kernelgate.fla import causal_conv1d      # for fla.modules.convolution.causal_conv1d
+
+A call is served by kernelgate only where kernelgate can and evidence says it should: every
+argument is one it implements (a whitelist: FLA's other arguments, set to anything but their
+defaults, send the call to FLA), and the call's region has evidence ranking a backend (where
+none does, kernelgate's fallback would be plain PyTorch, and the caller asked for FLA's kernel).
+Every other call goes to FLA verbatim — the same function with the same arguments, so the same
+result bit for bit — with the reason logged once per process (logger ``kernelgate``). FLA is
+imported only for such a call. ``explain_causal_conv1d(...)`` says which way a call goes and why.
+"""
+
+import logging
+from typing import Optional, Tuple
+
+import torch
+
+from . import _C
+
+log = logging.getLogger("kernelgate")
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+_ACTIVATIONS = {None: "none", "silu": "silu", "swish": "silu"}
+
+# FLA's causal_conv1d parameters: those kernelgate implements (within the checks below), and
+# those that send a call to FLA unless they have their default. A parameter FLA adds that is in
+# neither set fails tests/python/test_fla_dropin.py.
+CONV_HANDLED = ("x", "weight", "bias", "output_final_state", "activation", "backend")
+CONV_FORWARDED = ("residual", "initial_state", "cu_seqlens", "cu_seqlens_cpu", "chunk_indices", "cp_context",
+                  "kwargs")
+
+_logged = set()
+_served_cache = {}
+_MISS = object()
+
+
+def _log_once(reason: str) -> None:
+    if reason not in _logged:
+        _logged.add(reason)
+        log.info("kernelgate.fla: to FLA: %s", reason)
+
+
+def _routed_by_evidence(op: str, tensors, strings) -> Optional[str]:
+    """None when evidence ranks the backend that would serve this call (or one is forced);
+    otherwise why not. Cached per dispatch-relevant description of the call and the policy's
+    generation."""
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    key = (_C.generation(), op, grad, tuple(sorted(strings.items())),
+           tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16)
+                 for t in tensors))
+    hit = _served_cache.get(key, _MISS)
+    if hit is not _MISS:
+        return hit
+    d = _C.explain(op, list(tensors), grad, strings, None)
+    reason = d["reason"]
+    why = None if reason.startswith(("ranked first by policy", "forced")) else (
+        f"no evidence ranks a kernelgate backend for this call ({d['key']}): {reason}")
+    if len(_served_cache) > 4096:
+        _served_cache.clear()
+    _served_cache[key] = why
+    return why
+
+
+def _conv_refusal(x, weight, bias, residual, initial_state, output_final_state, activation, backend,
+                  cu_seqlens, cu_seqlens_cpu, chunk_indices, cp_context, kwargs) -> Optional[str]:
+    forwarded = {"residual": residual, "initial_state": initial_state, "cu_seqlens": cu_seqlens,
+                 "cu_seqlens_cpu": cu_seqlens_cpu, "chunk_indices": chunk_indices, "cp_context": cp_context}
+    for name, value in forwarded.items():
+        if value is not None:
+            return f"{name} is given (kernelgate implements it as None only)"
+    if kwargs:
+        return f"arguments kernelgate does not know: {', '.join(sorted(kwargs))}"
+    if output_final_state:
+        return "output_final_state=True (kernelgate implements False only)"
+    if backend != "triton":
+        return f"backend={backend!r} (kernelgate stands in for the default 'triton' only)"
+    if activation not in _ACTIVATIONS:
+        return f"activation={activation!r} (kernelgate implements None, 'silu' and 'swish')"
+    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        return "x and weight must be tensors"
+    if x.dim() != 3 or weight.dim() != 2 or weight.shape[0] != x.shape[2]:
+        return f"shapes x {list(x.shape)}, weight {list(weight.shape)} (kernelgate implements [B, T, D], [D, W])"
+    if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != (x.shape[2],)):
+        return "bias is not a [D] tensor"
+    if x.dtype not in _FLOATS or weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+        return f"dtypes x {x.dtype}, weight {weight.dtype} (kernelgate implements one float dtype for all)"
+    devices = {t.device for t in (x, weight, bias) if t is not None}
+    if len(devices) != 1:
+        return "tensors on more than one device"
+    return _routed_by_evidence("causal_conv1d", (x, weight, bias), {"activation": _ACTIVATIONS[activation]})
+
+
+def causal_conv1d(
+    x: torch.Tensor,
+    weight: Optional[torch.Tensor] = None,
+    bias: Optional[torch.Tensor] = None,
+    residual: Optional[torch.Tensor] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    output_final_state: Optional[bool] = False,
+    activation: Optional[str] = None,
+    backend: Optional[str] = "triton",
+    cu_seqlens: Optional[torch.Tensor] = None,
+    cu_seqlens_cpu: Optional[torch.LongTensor] = None,
+    chunk_indices: Optional[torch.LongTensor] = None,
+    cp_context=None,
+    **kwargs,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``fla.modules.convolution.causal_conv1d``: returns ``(y, final_state)``. Served by
+    ``kernelgate.causal_conv1d`` (final_state None) where the module docstring says; by FLA
+    verbatim otherwise."""
+    why = _conv_refusal(x, weight, bias, residual, initial_state, output_final_state, activation, backend,
+                        cu_seqlens, cu_seqlens_cpu, chunk_indices, cp_context, kwargs)
+    if why is None:
+        return torch.ops.kernelgate.causal_conv1d(x, weight, bias, _ACTIVATIONS[activation]), None
+    _log_once(why)
+    from fla.modules.convolution import causal_conv1d as fla_causal_conv1d
+
+    return fla_causal_conv1d(x, weight=weight, bias=bias, residual=residual, initial_state=initial_state,
+                             output_final_state=output_final_state, activation=activation, backend=backend,
+                             cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices,
+                             cp_context=cp_context, **kwargs)
+
+
+def explain_causal_conv1d(x, weight=None, bias=None, **kwargs) -> str:
+    """Which way ``causal_conv1d(x, weight, bias, **kwargs)`` goes: "kernelgate" or "FLA: <why>"."""
+    args = {"residual": None, "initial_state": None, "output_final_state": False, "activation": None,
+            "backend": "triton", "cu_seqlens": None, "cu_seqlens_cpu": None, "chunk_indices": None,
+            "cp_context": None}
+    extra = {k: v for k, v in kwargs.items() if k not in args}
+    args.update({k: v for k, v in kwargs.items() if k in args})
+    why = _conv_refusal(x, weight, bias, kwargs=extra, **args)
+    return "kernelgate" if why is None else f"FLA: {why}"

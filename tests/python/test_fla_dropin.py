@@ -1,0 +1,142 @@
+"""kernelgate.fla: FLA's signatures and returns; a call kernelgate serves only with every argument
+whitelisted and evidence for its region, every other call to FLA verbatim (the same function
+with the same arguments: bit-identical, checked with torch.equal on the GPU)."""
+
+import inspect
+import logging
+
+import pytest
+import torch
+
+import kernelgate as kg
+from kernelgate import fla as kfla
+
+
+def fla_conv():
+    return pytest.importorskip("fla.modules.convolution").causal_conv1d
+
+
+def test_signature_is_flas():
+    ours, theirs = inspect.signature(kfla.causal_conv1d), inspect.signature(fla_conv())
+    assert [(p.name, p.kind, p.default) for p in ours.parameters.values()] == \
+           [(p.name, p.kind, p.default) for p in theirs.parameters.values()]
+
+
+def test_every_fla_parameter_is_classified():
+    """A parameter FLA adds is either implemented or sends calls to FLA: which, is decided here."""
+    names = set(inspect.signature(fla_conv()).parameters)
+    assert names == set(kfla.CONV_HANDLED) | set(kfla.CONV_FORWARDED), names
+    assert not set(kfla.CONV_HANDLED) & set(kfla.CONV_FORWARDED)
+
+
+def conv_inputs(device="cpu", dtype=torch.float32):
+    return torch.randn(2, 33, 24, device=device, dtype=dtype), torch.randn(24, 4, device=device, dtype=dtype)
+
+
+def rank(backend):
+    kg.policy.add_rule("causal_conv1d", [backend], evidence="test: ranked")
+
+
+def test_without_evidence_a_call_goes_to_fla():
+    x, w = conv_inputs()
+    why = kfla.explain_causal_conv1d(x, w, activation="silu")
+    assert why.startswith("FLA: no evidence ranks a kernelgate backend for this call (causal_conv1d cpu"), why
+
+
+@pytest.mark.parametrize("kwargs,why", [
+    ({"residual": "x"}, "residual is given"),
+    ({"initial_state": torch.zeros(2, 24, 4)}, "initial_state is given"),
+    ({"output_final_state": True}, "output_final_state=True"),
+    ({"backend": "cuda"}, "backend='cuda'"),
+    ({"activation": "relu"}, "activation='relu'"),
+    ({"cu_seqlens": torch.tensor([0, 33])}, "cu_seqlens is given"),
+    ({"seq_idx": 3}, "arguments kernelgate does not know: seq_idx"),
+])
+def test_a_call_kernelgate_does_not_implement_goes_to_fla(kwargs, why):
+    x, w = conv_inputs()
+    rank("reference")
+    kwargs = {k: (x if v == "x" else v) for k, v in kwargs.items()}
+    got = kfla.explain_causal_conv1d(x, w, **kwargs)
+    assert got.startswith("FLA: " + why), got
+
+
+def test_shapes_and_dtypes_kernelgate_does_not_take_go_to_fla():
+    x, w = conv_inputs()
+    rank("reference")
+    assert kfla.explain_causal_conv1d(x, w) == "kernelgate"
+    assert kfla.explain_causal_conv1d(x, w.double()).startswith("FLA: dtypes")
+    assert kfla.explain_causal_conv1d(x[0], w).startswith("FLA: shapes")
+    assert kfla.explain_causal_conv1d(x, w[:5]).startswith("FLA: shapes")
+    assert kfla.explain_causal_conv1d(x, w, torch.randn(5)).startswith("FLA: bias")
+    assert kfla.explain_causal_conv1d(x, None).startswith("FLA: x and weight")
+
+
+def test_with_evidence_kernelgate_serves_with_flas_return():
+    x, w = conv_inputs()
+    rank("reference")
+    for activation, ours in [(None, "none"), ("silu", "silu"), ("swish", "silu")]:
+        y, state = kfla.causal_conv1d(x, w, activation=activation)
+        assert state is None
+        assert torch.equal(y, kg.causal_conv1d(x, w, None, ours))
+    # the decision follows the policy: its change is seen by the cache
+    kg.policy.clear()
+    assert kfla.explain_causal_conv1d(x, w).startswith("FLA: no evidence")
+
+
+def test_a_call_to_fla_is_verbatim_and_logged_once(monkeypatch, caplog):
+    conv = pytest.importorskip("fla.modules.convolution")
+    seen = []
+    sentinel = (torch.zeros(1), torch.ones(1))
+
+    def recorder(*args, **kwargs):
+        seen.append((args, kwargs))
+        return sentinel
+
+    params = set(inspect.signature(conv.causal_conv1d).parameters)
+    monkeypatch.setattr(conv, "causal_conv1d", recorder)
+    x, w = conv_inputs()
+    r = torch.randn_like(x)
+    kfla._logged.clear()
+    with caplog.at_level(logging.INFO, logger="kernelgate"):
+        for _ in range(2):
+            assert kfla.causal_conv1d(x, w, residual=r, activation="silu", seq_idx=7) is sentinel
+    (args, kwargs), _ = seen
+    assert args == (x,) and kwargs["weight"] is w and kwargs["residual"] is r and kwargs["seq_idx"] == 7
+    assert kwargs["activation"] == "silu" and kwargs["backend"] == "triton" and kwargs["bias"] is None
+    assert set(kwargs) == (params - {"x", "kwargs"}) | {"seq_idx"}
+    msgs = [r.getMessage() for r in caplog.records if "kernelgate.fla" in r.getMessage()]
+    assert len(msgs) == 1 and "residual is given" in msgs[0], msgs
+
+
+# ---- on the GPU, against FLA itself ------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kwargs", [{}, {"residual": True}, {"output_final_state": True}, {"bias": True}],
+                         ids=["no_evidence", "residual", "final_state", "bias_no_evidence"])
+def test_gpu_fallback_is_bit_identical_to_fla(kwargs):
+    fla = fla_conv()
+    x, w = conv_inputs("cuda", torch.bfloat16)
+    extra = {}
+    if kwargs.get("residual"):
+        extra["residual"] = torch.randn_like(x)
+    if kwargs.get("output_final_state"):
+        extra["output_final_state"] = True
+    if kwargs.get("bias"):
+        extra["bias"] = torch.randn(24, device="cuda", dtype=torch.bfloat16)
+    assert kfla.explain_causal_conv1d(x, w, activation="silu", **extra).startswith("FLA: ")
+    ours = kfla.causal_conv1d(x, w, activation="silu", **extra)
+    theirs = fla(x, w, activation="silu", **extra)
+    assert torch.equal(ours[0], theirs[0])
+    assert (ours[1] is None and theirs[1] is None) or torch.equal(ours[1], theirs[1])
+
+
+@pytest.mark.gpu
+def test_gpu_served_call_agrees_with_fla():
+    x, w = conv_inputs("cuda", torch.bfloat16)
+    rank("kernelgate_cuda")
+    assert kfla.explain_causal_conv1d(x, w, activation="silu") == "kernelgate"
+    ours, _ = kfla.causal_conv1d(x, w, activation="silu")
+    theirs, _ = fla_conv()(x, w, activation="silu")
+    ref = torch.ops.kernelgate._causal_conv1d_reference(x.double(), w.double(), None, "silu")
+    err = lambda y: ((y.double() - ref).abs().max() / ref.abs().max()).item()  # noqa: E731
+    assert err(ours) < 1e-2 and err(theirs) < 1e-2, (err(ours), err(theirs))
