@@ -56,12 +56,24 @@ def _fla():
     }
 
 
+def _kernel_fun():
+    from kernel_fun.cconv import causal_conv1d
+
+    return {
+        ("causal_conv1d", "kernel_fun"): (lambda: (_t(B, 4 * S, 2048), _t(2048, 4), None, "silu"),
+                                          lambda x, w, b, a: causal_conv1d(x, w, activation=a)[0]),
+    }
+
+
+_LIBRARIES = {"liger": _liger, "fla": _fla, "kernel_fun": _kernel_fun}
+
+
 class _Direct(dict):
     """(op, backend) -> (make inputs, the library's own call); a library is imported when first
     asked for."""
 
     def __missing__(self, key):
-        self.update(_liger() if key[1].startswith("liger") else _fla())
+        self.update(_LIBRARIES[next(lib for lib in _LIBRARIES if key[1].startswith(lib))]())
         return dict.__getitem__(self, key)
 
 

@@ -68,7 +68,8 @@ def _code_hash(*fns: Optional[Callable]) -> str:
 
 def requirements(op: dict, device: Optional[str], dtypes: Optional[Sequence[torch.dtype]],
                  variants: Optional[Dict[str, Sequence[str]]], present: Sequence[str],
-                 capturable: bool, nonempty: bool = False, max_row_bytes: Optional[int] = None) -> dict:
+                 capturable: bool, nonempty: bool = False, max_row_bytes: Optional[int] = None,
+                 absent: Sequence[str] = (), max_dims: Optional[Dict[str, int]] = None) -> dict:
     """What a backend needs of a call, checked in C++ before its can_implement (no Python on the
     hot path for these)."""
     r: dict = {}
@@ -103,6 +104,16 @@ def requirements(op: dict, device: Optional[str], dtypes: Optional[Sequence[torc
         if isinstance(max_row_bytes, bool) or not isinstance(max_row_bytes, int) or max_row_bytes <= 0:
             raise ValueError(f"max_row_bytes must be a positive int, got {max_row_bytes!r}")
         r["max_row_bytes"] = max_row_bytes
+    if absent:
+        for arg in absent:
+            if arg not in op["tensor_args"]:
+                raise ValueError(f"absent: {op['name']} has no tensor argument '{arg}'")
+        r["absent"] = list(absent)
+    if max_dims:
+        for dim, most in max_dims.items():
+            if isinstance(most, bool) or not isinstance(most, int) or most < 0:
+                raise ValueError(f"max_dims: {dim} must map to a non-negative int, got {most!r}")
+        r["max_dims"] = dict(max_dims)
     return r
 
 
@@ -121,7 +132,8 @@ def register_backend(op: str, name: str, forward: Fn, backward: Optional[Fn] = N
                      device: Optional[str] = None, dtypes: Optional[Sequence[torch.dtype]] = None,
                      variants: Optional[Dict[str, Sequence[str]]] = None,
                      present: Sequence[str] = (), capturable: bool = True, nonempty: bool = False,
-                     max_row_bytes: Optional[int] = None, grad_request: bool = False) -> None:
+                     max_row_bytes: Optional[int] = None, absent: Sequence[str] = (),
+                     max_dims: Optional[Dict[str, int]] = None, grad_request: bool = False) -> None:
     """Adds a backend of `op` written in Python.
 
     forward(*args) takes the op's arguments in schema order and returns its outputs (a tensor or
@@ -141,7 +153,9 @@ def register_backend(op: str, name: str, forward: Fn, backward: Optional[Fn] = N
     ``dtypes`` (of the call's first tensor), ``variants`` (for each of the op's variant
     arguments, the values the backend implements, e.g. ``{"approximate": ["tanh"]}``) and
     ``present`` (optional tensor arguments it needs given), ``nonempty`` (no tensor without
-    elements), ``max_row_bytes`` (the first tensor's last dim, in bytes); ``capturable=False`` for a backend
+    elements), ``max_row_bytes`` (the first tensor's last dim, in bytes), ``absent`` (optional
+    tensor arguments it needs not given), ``max_dims`` (named dims' largest sizes it implements,
+    e.g. ``{"width": 4}``); ``capturable=False`` for a backend
     that syncs with the host, which never serves under CUDA-graph capture. Under capture a Python
     backend serves only calls it served eagerly before (``kg.warmup``).
 
@@ -170,7 +184,8 @@ def register_backend(op: str, name: str, forward: Fn, backward: Optional[Fn] = N
         raise ValueError(f"backend name must be an identifier-like string, got {name!r}")
     if can_implement is not None and not callable(can_implement):
         raise TypeError(f"can_implement must be callable, got {type(can_implement).__name__}")
-    needs = requirements(ops[op], device, dtypes, variants, present, capturable, nonempty, max_row_bytes)
+    needs = requirements(ops[op], device, dtypes, variants, present, capturable, nonempty, max_row_bytes,
+                         absent, max_dims)
     available, reason, version = True, "", ""
     fwd = bwd = None
     if package is not None:

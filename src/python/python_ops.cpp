@@ -138,16 +138,17 @@ class PythonBackend final : public BackendImpl {
     py::gil_scoped_acquire gil;
     if (!resolved_) resolve_callables();
     py::tuple args = pop_args(s, p_.nargs);
-    py::dict kwargs;
+    py::object kwargs;  // null unless grad_request
     if (grad_request_) {
       py::list names;
       for (size_t i = 0; i < p_.tensor_args.size(); ++i) {
         if (need(static_cast<int>(i))) names.append(p_.tensor_args[i]);
       }
-      kwargs["needs_grad"] = py::tuple(names);
+      py::dict d;
+      d["needs_grad"] = py::tuple(names);
+      kwargs = std::move(d);
     }
-    auto got = tensors_of(call(*fwd_, args, fwd_what_, grad_request_ ? kwargs.ptr() : nullptr),
-                          fwd_what_);
+    auto got = tensors_of(call(*fwd_, args, fwd_what_, kwargs.ptr()), fwd_what_);
     const bool extras_needed = need.any() && p_.n_extra > 0;
     TORCH_CHECK(got.size() == p_.n_out + p_.n_extra || (!extras_needed && got.size() == p_.n_out),
                 what_, " forward returned ", got.size(), " tensors, expected ", p_.n_out, " (",
@@ -205,9 +206,17 @@ struct Requirements {
   const char* dtype_reason = "";
   const char* variant_reason = "";
   std::vector<const char*> present_reason;
+  std::vector<int> absent;              // optional tensor arguments that must not be given
+  std::vector<const char*> absent_reason;
+  struct DimLimit {
+    int tensor, dim;  // where the named dim is: tensor argument, dim from its end
+    int64_t max;
+    const char* reason;
+  };
+  std::vector<DimLimit> dim_limits;
   bool any() const {
     return device || !dtypes.empty() || !variant_ok.empty() || !present.empty() || !capturable ||
-           nonempty || max_row_bytes > 0;
+           nonempty || max_row_bytes > 0 || !absent.empty() || !dim_limits.empty();
   }
 };
 
@@ -280,16 +289,51 @@ Requirements requirements_of(const OpContract& c, const py::dict& spec, const st
     for (const auto& a : c.tensor_args)
       r.empty_reason.push_back(intern("needs tensors with elements (" + a.name + " has none)"));
   }
+  auto tensor_arg = [&](const std::string& arg, const char* field) {
+    for (size_t i = 0; i < c.tensor_args.size(); ++i) {
+      if (c.tensor_args[i].name == arg) return static_cast<int>(i);
+    }
+    TORCH_CHECK(false, what, ": ", field, ": ", c.name, " has no tensor argument '", arg, "'");
+    return -1;
+  };
   if (spec.contains("present")) {
     for (const auto& n : spec["present"]) {
       const std::string arg = n.cast<std::string>();
-      int pos = -1;
-      for (size_t i = 0; i < c.tensor_args.size(); ++i) {
-        if (c.tensor_args[i].name == arg) pos = static_cast<int>(i);
-      }
-      TORCH_CHECK(pos >= 0, what, ": present: ", c.name, " has no tensor argument '", arg, "'");
-      r.present.push_back(pos);
+      r.present.push_back(tensor_arg(arg, "present"));
       r.present_reason.push_back(intern("needs " + arg + " (it is absent)"));
+    }
+  }
+  if (spec.contains("absent")) {
+    for (const auto& n : spec["absent"]) {
+      const std::string arg = n.cast<std::string>();
+      const int pos = tensor_arg(arg, "absent");
+      TORCH_CHECK(c.tensor_args[pos].optional, what, ": absent: ", arg, " of ", c.name,
+                  " is not optional");
+      r.absent.push_back(pos);
+      r.absent_reason.push_back(intern("implements calls without " + arg + " only (it is given)"));
+    }
+  }
+  if (spec.contains("max_dims")) {
+    for (const auto& [k, v] : spec["max_dims"].cast<py::dict>()) {
+      const std::string dim = k.cast<std::string>();
+      const int64_t max = v.cast<int64_t>();
+      bool found = false;
+      // The first tensor argument that has the dim (not a variadic run), counted from its end.
+      for (size_t i = 0; i < c.tensor_args.size() && !found; ++i) {
+        const auto& dims = c.tensor_args[i].dims;
+        for (size_t j = 0; j < dims.size(); ++j) {
+          if (dims[j].variadic || c.named_dims[dims[j].named_dim] != dim) continue;
+          const int from_end = static_cast<int>(dims.size() - j);
+          r.dim_limits.push_back(
+              {static_cast<int>(i), from_end, max,
+               intern("implements " + dim + " (" + c.tensor_args[i].name + ".size(-" +
+                      std::to_string(from_end) + ")) of at most " + std::to_string(max) +
+                      " only")});
+          found = true;
+          break;
+        }
+      }
+      TORCH_CHECK(found, what, ": max_dims: ", c.name, " has no named dim '", dim, "'");
     }
   }
   return r;
@@ -310,6 +354,15 @@ Support check(const Requirements& r, const CallView& call) {
   for (size_t i = 0; i < r.present.size(); ++i) {
     const at::Tensor* t = call.tensors[r.present[i]];
     if (t == nullptr || !t->defined()) return Support::no(r.present_reason[i]);
+  }
+  for (size_t i = 0; i < r.absent.size(); ++i) {
+    const at::Tensor* t = call.tensors[r.absent[i]];
+    if (t != nullptr && t->defined()) return Support::no(r.absent_reason[i]);
+  }
+  for (const auto& l : r.dim_limits) {
+    const at::Tensor* t = call.tensors[l.tensor];
+    if (t != nullptr && t->defined() && t->dim() >= l.dim && t->size(-l.dim) > l.max)
+      return Support::no(l.reason);
   }
   if (r.nonempty) {
     for (int i = 0; i < call.num_tensors; ++i) {

@@ -51,8 +51,8 @@ def test_every_library_backend_is_listed_with_its_availability_and_version():
 
 
 @pytest.mark.skipif(os.environ.get("CI") != "true", reason="CI installs the libraries (requirements-dev.txt)")
-def test_ci_installs_liger_and_fla():
-    for lib in ("liger", "fla"):
+def test_ci_installs_the_libraries():
+    for lib in backends.LIBRARIES:
         assert backends.status(backends.LIBRARIES[lib])[0], backends.status(backends.LIBRARIES[lib])
 
 
@@ -148,6 +148,18 @@ def test_requirements_of_a_python_backend():
     got = next(c.reason for c in e.candidates if c.backend == "test_present")
     assert got == "ranked #1 but cannot implement this call: runs on cuda tensors only", got
 
+    kg.register_backend("causal_conv1d", "test_absent_max_dims", lambda x, w, b, a: x, device="cpu",
+                        absent=["bias"], max_dims={"width": 4})
+    x, w = torch.randn(2, 8, 16), torch.randn(16, 4)
+    for args, want in [((x, w, torch.randn(16)), "implements calls without bias only (it is given)"),
+                       ((x, torch.randn(16, 5), None), "implements width (weight.size(-1)) of at most 4 only")]:
+        with kg.use(force={"causal_conv1d": "test_absent_max_dims"}):
+            e = kg.explain("causal_conv1d", *args)
+        got = next(c.reason for c in e.candidates if c.backend == "test_absent_max_dims")
+        assert e.backend != "test_absent_max_dims" and got == "ranked #1 but cannot implement this call: " + want, got
+    with kg.use(force={"causal_conv1d": "test_absent_max_dims"}):
+        assert kg.explain("causal_conv1d", x, w, None).backend == "test_absent_max_dims"
+
 
 @pytest.mark.gpu
 def test_gpu_library_requirements_are_reasons_in_explain():
@@ -181,16 +193,23 @@ def test_gpu_library_requirements_are_reasons_in_explain():
     (dict(present=["bias"]), "geglu has no tensor argument 'bias'"),
     (dict(max_row_bytes=0), "max_row_bytes must be a positive int"),
     (dict(max_row_bytes=1.5), "max_row_bytes must be a positive int"),
+    (dict(absent=["bias"]), "geglu has no tensor argument 'bias'"),
+    (dict(max_dims={"hidden": -1}), "max_dims: hidden must map to a non-negative int"),
+    (dict(max_dims={"width": 4}), "max_dims: geglu has no named dim 'width'"),
+    (dict(absent=["gate"]), "absent: gate of geglu is not optional"),
 ])
 def test_bad_requirements_are_clear_errors(kwargs, error):
-    with pytest.raises((ValueError, TypeError), match=error):
+    # ValueError / TypeError from Python's checks, RuntimeError from the engine's (the contract's
+    # named dims and optional arguments)
+    with pytest.raises((ValueError, TypeError, RuntimeError), match=error):
         kg.register_backend("geglu", "test_bad_requirements", lambda g, u, a: g, **kwargs)
 
 
 # ---- lazy import -------------------------------------------------------------------------------
 
 def test_library_backends_import_their_library_only_when_called():
-    code = "import sys, kernelgate; print(any(m.split('.')[0] in ('liger_kernel', 'fla') for m in sys.modules))"
+    code = ("import sys, kernelgate; "
+            "print(any(m.split('.')[0] in ('liger_kernel', 'fla', 'kernel_fun') for m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
@@ -451,6 +470,7 @@ KERNELS = {
     ("linear_cross_entropy", "liger_fp32_accum"): "liger_cross_entropy_kernel",
     ("rms_norm", "fla"): "layer_norm_fwd_kernel", ("layer_norm", "fla"): "layer_norm_fwd_kernel",
     ("swiglu", "fla"): "swiglu_fwd_kernel",
+    ("causal_conv1d", "kernel_fun"): "cconv_fwd_strip",
 }
 
 

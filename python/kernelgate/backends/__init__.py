@@ -1,5 +1,5 @@
 """The field's kernel libraries as kernelgate backends, each an optional extra of the package
-(``pip install kernelgate[liger]``, ``kernelgate[fla]``).
+(``pip install kernelgate[liger]``, ``kernelgate[fla]``, ``kernelgate[kernel-fun]``).
 
 Every backend below is registered at ``import kernelgate`` without importing its library (that
 takes seconds; it happens at the backend's first call, or in ``kg.warmup``). It is available
@@ -41,12 +41,15 @@ class LibraryBackend:
     present: Sequence[str] = ()
     capturable: bool = True  # False: it syncs with the host, so never under CUDA-graph capture
     max_row_bytes: Optional[int] = None  # the first tensor's last dim, in bytes
+    absent: Sequence[str] = ()  # optional tensor arguments it needs not given
+    max_dims: Optional[Dict[str, int]] = None  # named dims' largest sizes it implements
     grad_request: bool = False  # forward gets needs_grad= (kg.register_backend's grad_request)
 
 
 LIBRARIES: Dict[str, Library] = {
     "liger": Library("liger", "liger-kernel", ("0.8.5", "0.9"), "liger"),
     "fla": Library("fla", "fla-core", ("0.6.0", "0.7"), "fla"),
+    "kernel_fun": Library("kernel-fun", "kernel-fun", ("0.2.0", "0.3"), "kernel_fun"),
 }
 
 BACKENDS: List[LibraryBackend] = [
@@ -73,6 +76,10 @@ BACKENDS: List[LibraryBackend] = [
     LibraryBackend("fla", "rms_norm", "fla", "rms_norm_fwd", "rms_norm_bwd", max_row_bytes=65536),
     LibraryBackend("fla", "layer_norm", "fla", "layer_norm_fwd", "layer_norm_bwd", max_row_bytes=65536),
     LibraryBackend("fla", "swiglu", "fla", "swiglu_fwd", "swiglu_bwd"),
+    # kernel-fun's short conv: the KDA layer's contract (silu, no bias, width <= 4, 16-bit).
+    LibraryBackend("kernel_fun", "causal_conv1d", "kernel_fun", "causal_conv1d_fwd", "causal_conv1d_bwd",
+                   dtypes=(torch.float16, torch.bfloat16), variants={"activation": ["silu"]},
+                   absent=("bias",), max_dims={"width": 4}),
 ]
 
 
@@ -128,7 +135,8 @@ def install() -> None:
             backward=None if b.backward is None else f"{module}:{b.backward}",
             # Several of the libraries' kernels fail on tensors without elements (a grid of 0).
             needs=requirements(ops[b.op], "cuda", b.dtypes, b.variants, b.present, b.capturable,
-                               nonempty=True, max_row_bytes=b.max_row_bytes),
+                               nonempty=True, max_row_bytes=b.max_row_bytes, absent=b.absent,
+                               max_dims=b.max_dims),
             available=available, reason=reason, version=versions.get(b.library, ""),
             grad_request=b.grad_request)
 
