@@ -5,8 +5,10 @@ same returns.
 
 A call is served by kernelgate only where kernelgate can and evidence says it should: every
 argument is one it implements (a whitelist: FLA's other arguments, set to anything but their
-defaults, send the call to FLA), and the call's region has evidence ranking a backend (where
-none does, kernelgate's fallback would be plain PyTorch, and the caller asked for FLA's kernel).
+defaults, send the call to FLA), and the call's region has evidence ranking one of its kernels
+first (where none does, or the plain-PyTorch fallback is ranked first, kernelgate would serve
+plain PyTorch, and the caller asked for FLA's kernel). Under torch.compile the decision is made
+when the graph is traced, without a graph break.
 Every other call goes to FLA verbatim — the same function with the same arguments, so the same
 result bit for bit — with the reason logged once per process (logger ``kernelgate``). FLA is
 imported only for such a call. ``explain_causal_conv1d(...)`` says which way a call goes and why.
@@ -42,21 +44,47 @@ def _log_once(reason: str) -> None:
         log.info("kernelgate.fla: to FLA: %s", reason)
 
 
+def _why(d: dict) -> Optional[str]:
+    """From an explanation: None when kernelgate should serve (a backend forced, or ranked first
+    by evidence and not the plain-PyTorch fallback or the reference: those the caller did not
+    ask for in place of FLA's kernel); otherwise why not."""
+    reason, backend = d["reason"], d["backend"]
+    if reason.startswith("forced"):
+        return None
+    if reason.startswith("ranked first by policy") and backend not in ("eager", "reference"):
+        return None
+    return f"no evidence ranks a kernelgate kernel for this call ({d['key']}): {backend}, {reason}"
+
+
+def _call_key(op: str, tensors, strings, grad: bool, aligned: bool) -> tuple:
+    metas = tuple(None if t is None else (tuple(t.shape), tuple(t.stride()), t.dtype, str(t.device),
+                                          0 if aligned else t.data_ptr() % 16)
+                  for t in tensors)
+    return op, grad, tuple(sorted(strings.items())), metas
+
+
+@torch._dynamo.assume_constant_result
+def _traced_decision(key: tuple) -> Optional[str]:
+    """Under torch.compile: decided once, when the graph is traced (a constant of the graph, no
+    graph break), from meta tensors of the call's shapes, strides and dtypes."""
+    op, grad, strings, metas = key
+    tensors = [None if m is None else torch.empty_strided(m[0], m[1], dtype=m[2], device="meta")
+               for m in metas]
+    device = next(m[3] for m in metas if m is not None)
+    return _why(_C.explain(op, tensors, grad, dict(strings), device))
+
+
 def _routed_by_evidence(op: str, tensors, strings) -> Optional[str]:
-    """None when evidence ranks the backend that would serve this call (or one is forced);
-    otherwise why not. Cached per dispatch-relevant description of the call and the policy's
-    generation."""
+    """None when kernelgate should serve this call (see _why); otherwise why not. Eagerly:
+    cached per dispatch-relevant description of the call and the policy's generation."""
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-    key = (_C.generation(), op, grad, tuple(sorted(strings.items())),
-           tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16)
-                 for t in tensors))
+    if torch.compiler.is_compiling():
+        return _traced_decision(_call_key(op, tensors, strings, grad, aligned=True))
+    key = (_C.generation(),) + _call_key(op, tensors, strings, grad, aligned=False)
     hit = _served_cache.get(key, _MISS)
     if hit is not _MISS:
         return hit
-    d = _C.explain(op, list(tensors), grad, strings, None)
-    reason = d["reason"]
-    why = None if reason.startswith(("ranked first by policy", "forced")) else (
-        f"no evidence ranks a kernelgate backend for this call ({d['key']}): {reason}")
+    why = _why(_C.explain(op, list(tensors), grad, strings, None))
     if len(_served_cache) > 4096:
         _served_cache.clear()
     _served_cache[key] = why

@@ -33,14 +33,36 @@ def conv_inputs(device="cpu", dtype=torch.float32):
     return torch.randn(2, 33, 24, device=device, dtype=dtype), torch.randn(24, 4, device=device, dtype=dtype)
 
 
-def rank(backend):
+def _cpu_kernel(x, w, b, activation):
+    return torch.ops.kernelgate._causal_conv1d_reference(x, w, b, activation)
+
+
+def rank(backend="test_dropin_kernel"):
+    # test_dropin_kernel: a CPU backend standing for a kernel of ours (evidence ranking the
+    # reference or the eager fallback does not make the drop-in serve: the caller asked for
+    # FLA's kernel, not plain PyTorch). Registered once (again: a no-op).
+    kg.register_backend("causal_conv1d", "test_dropin_kernel", _cpu_kernel, device="cpu")
     kg.policy.add_rule("causal_conv1d", [backend], evidence="test: ranked")
 
 
 def test_without_evidence_a_call_goes_to_fla():
     x, w = conv_inputs()
     why = kfla.explain_causal_conv1d(x, w, activation="silu")
-    assert why.startswith("FLA: no evidence ranks a kernelgate backend for this call (causal_conv1d cpu"), why
+    assert why.startswith("FLA: no evidence ranks a kernelgate kernel for this call (causal_conv1d cpu"), why
+
+
+@pytest.mark.parametrize("backend", ["eager", "reference"])
+def test_evidence_ranking_plain_pytorch_first_still_goes_to_fla(backend):
+    x, w = conv_inputs()
+    rank(backend)
+    why = kfla.explain_causal_conv1d(x, w, activation="silu")
+    assert why.startswith("FLA: no evidence ranks a kernelgate kernel") and f": {backend}, ranked first" in why, why
+
+
+def test_a_forced_backend_serves():
+    x, w = conv_inputs()
+    with kg.use(force={"causal_conv1d": "reference"}):
+        assert kfla.explain_causal_conv1d(x, w) == "kernelgate"
 
 
 @pytest.mark.parametrize("kwargs,why", [
@@ -54,7 +76,7 @@ def test_without_evidence_a_call_goes_to_fla():
 ])
 def test_a_call_kernelgate_does_not_implement_goes_to_fla(kwargs, why):
     x, w = conv_inputs()
-    rank("reference")
+    rank()
     kwargs = {k: (x if v == "x" else v) for k, v in kwargs.items()}
     got = kfla.explain_causal_conv1d(x, w, **kwargs)
     assert got.startswith("FLA: " + why), got
@@ -62,7 +84,7 @@ def test_a_call_kernelgate_does_not_implement_goes_to_fla(kwargs, why):
 
 def test_shapes_and_dtypes_kernelgate_does_not_take_go_to_fla():
     x, w = conv_inputs()
-    rank("reference")
+    rank()
     assert kfla.explain_causal_conv1d(x, w) == "kernelgate"
     assert kfla.explain_causal_conv1d(x, w.double()).startswith("FLA: dtypes")
     assert kfla.explain_causal_conv1d(x[0], w).startswith("FLA: shapes")
@@ -73,7 +95,7 @@ def test_shapes_and_dtypes_kernelgate_does_not_take_go_to_fla():
 
 def test_with_evidence_kernelgate_serves_with_flas_return():
     x, w = conv_inputs()
-    rank("reference")
+    rank()
     for activation, ours in [(None, "none"), ("silu", "silu"), ("swish", "silu")]:
         y, state = kfla.causal_conv1d(x, w, activation=activation)
         assert state is None
@@ -81,6 +103,21 @@ def test_with_evidence_kernelgate_serves_with_flas_return():
     # the decision follows the policy: its change is seen by the cache
     kg.policy.clear()
     assert kfla.explain_causal_conv1d(x, w).startswith("FLA: no evidence")
+
+
+def test_under_torch_compile_the_decision_is_made_at_trace_time_without_a_graph_break():
+    x, w = conv_inputs()
+    rank()
+
+    def step(x, w):
+        return kfla.causal_conv1d(x, w, activation="silu")[0] * 2
+
+    torch._dynamo.reset()
+    assert torch._dynamo.explain(step)(x, w).graph_break_count == 0
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(step, backend="eager", fullgraph=True)(x, w),
+                       kg.causal_conv1d(x, w, None, "silu") * 2)
+    torch._dynamo.reset()
 
 
 def test_a_call_to_fla_is_verbatim_and_logged_once(monkeypatch, caplog):
