@@ -72,7 +72,7 @@ fi
 if want benchmarks; then
 step benchmarks
 (cd bench && "$PY" bench_rms_norm.py --out "$OUT/rms_norm.json") 2>&1 | tail -12 || status=1
-for b in gated add_rms_norm layer_norm rope cross_entropy linear_cross_entropy; do
+for b in gated add_rms_norm layer_norm rope cross_entropy linear_cross_entropy causal_conv1d; do
   (cd bench && "$PY" "bench_$b.py" --out "$OUT/$b.json") 2>&1 | tail -14 || status=1
 done
 fi
