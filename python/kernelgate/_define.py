@@ -91,11 +91,12 @@ def requirements(op: dict, device: Optional[str], dtypes: Optional[Sequence[torc
             if isinstance(values, str) or not set(values) <= set(known[arg]) or not values:
                 raise ValueError(f"variants: {arg} must be a non-empty list of {known[arg]}, got {values!r}")
         r["variants"] = {k: list(v) for k, v in variants.items()}
-    if present:
-        for arg in present:
+    for field, args in (("present", present), ("absent", absent)):
+        for arg in args:
             if arg not in op["tensor_args"]:
-                raise ValueError(f"present: {op['name']} has no tensor argument '{arg}'")
-        r["present"] = list(present)
+                raise ValueError(f"{field}: {op['name']} has no tensor argument '{arg}'")
+        if args:
+            r[field] = list(args)
     if not capturable:
         r["capturable"] = False
     if nonempty:
@@ -104,11 +105,6 @@ def requirements(op: dict, device: Optional[str], dtypes: Optional[Sequence[torc
         if isinstance(max_row_bytes, bool) or not isinstance(max_row_bytes, int) or max_row_bytes <= 0:
             raise ValueError(f"max_row_bytes must be a positive int, got {max_row_bytes!r}")
         r["max_row_bytes"] = max_row_bytes
-    if absent:
-        for arg in absent:
-            if arg not in op["tensor_args"]:
-                raise ValueError(f"absent: {op['name']} has no tensor argument '{arg}'")
-        r["absent"] = list(absent)
     if max_dims:
         for dim, most in max_dims.items():
             if isinstance(most, bool) or not isinstance(most, int) or most < 0:

@@ -14,6 +14,7 @@ result bit for bit — with the reason logged once per process (logger ``kernelg
 imported only for such a call. ``explain_causal_conv1d(...)`` says which way a call goes and why.
 """
 
+import inspect
 import logging
 from typing import Optional, Tuple
 
@@ -153,10 +154,13 @@ def causal_conv1d(
 
 def explain_causal_conv1d(x, weight=None, bias=None, **kwargs) -> str:
     """Which way ``causal_conv1d(x, weight, bias, **kwargs)`` goes: "kernelgate" or "FLA: <why>"."""
-    args = {"residual": None, "initial_state": None, "output_final_state": False, "activation": None,
-            "backend": "triton", "cu_seqlens": None, "cu_seqlens_cpu": None, "chunk_indices": None,
-            "cp_context": None}
+    args = dict(_CONV_DEFAULTS)
     extra = {k: v for k, v in kwargs.items() if k not in args}
     args.update({k: v for k, v in kwargs.items() if k in args})
     why = _conv_refusal(x, weight, bias, kwargs=extra, **args)
     return "kernelgate" if why is None else f"FLA: {why}"
+
+
+# causal_conv1d's keyword parameters after bias, with their defaults (FLA's).
+_CONV_DEFAULTS = {n: p.default for n, p in list(inspect.signature(causal_conv1d).parameters.items())[3:]
+                  if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD}

@@ -297,8 +297,7 @@ def _gate_cases(_C, op: str, device: str, dtypes: List[str], rng: random.Random)
 
 
 def _reseed(cid: str, enc: str, seed: int) -> tuple:
-    fields = [f"seed={seed}" if f.startswith("seed=") else f for f in enc.split(";")]
-    return cid.rsplit("/seed=", 1)[0] + f"/seed={seed}", ";".join(fields)
+    return cid.rsplit("/seed=", 1)[0] + f"/seed={seed}", encode_case({**case_fields(enc), "seed": str(seed)})
 
 
 class _Case:

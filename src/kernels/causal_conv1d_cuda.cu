@@ -88,7 +88,7 @@ struct Width {
   int width;
   __device__ explicit Width(int runtime) : width(W > 0 ? W : runtime) {}
   __device__ __forceinline__ int first() const { return kWM - width; }  // first used position
-  __device__ __forceinline__ bool used(int k) const { return W > 0 || k >= kWM - width; }
+  __device__ __forceinline__ bool used(int k) const { return W > 0 || k >= first(); }
 };
 
 struct Args {
@@ -216,13 +216,13 @@ __global__ void __launch_bounds__(kCols* kRows)
   constexpr int N = WM - 1 + kBwdU;
   extern __shared__ float red[];  // [kRows][kCols][(WM + 1) * V]: dw and db partials
   constexpr int kSlot = (WM + 1) * V;
+  const Width<W> wd(a.width);
   float dw[WM][V], db[V];
 #pragma unroll
   for (int k = 0; k < WM; ++k) zero<V>(dw[k]);
   zero<V>(db);
-  Place p;
+  Place p;  // p.col is set whether or not the thread has work
   if (place<V>(a, p)) {
-    const Width<W> wd(a.width);
     float wt[WM][V], bias[V];
     load_weights<T, V, W>(w, b, a, p.col, wt, bias);
     const int64_t base = p.batch * a.seq * a.dim + p.col;
@@ -306,13 +306,12 @@ __global__ void __launch_bounds__(kCols* kRows)
   if (part_w == nullptr && part_b == nullptr) return;  // uniform over the block
   __syncthreads();
   if (threadIdx.y != 0) return;
-  const int64_t col = (static_cast<int64_t>(blockIdx.y) * kCols + threadIdx.x) * V;
+  const int64_t col = p.col;
   if (col >= a.dim) return;
   for (int r = 1; r < kRows; ++r) {
     const float* other = red + (r * kCols + threadIdx.x) * kSlot;
     for (int s = 0; s < kSlot; ++s) mine[s] += other[s];
   }
-  const Width<W> wd(a.width);
   if (part_w != nullptr) {
     float* pw = part_w + static_cast<int64_t>(blockIdx.x) * a.dim * wd.width;
     for (int v = 0; v < V; ++v) {
@@ -382,26 +381,30 @@ bool vectorizable(int64_t dim, std::initializer_list<const void*> ptrs) {
   return true;
 }
 
+// Both directions' grid: batch x time-tile groups, then blocks of kCols channel vectors of V.
+dim3 grid_of(const CausalConv1dShape& s, const Plan& pl, int v) {
+  const int64_t cols = (s.dim + v - 1) / v;
+  return dim3(static_cast<unsigned>(s.batch * pl.tiles_per_batch),
+              static_cast<unsigned>((cols + kCols - 1) / kCols));
+}
+
+Args args_of(const CausalConv1dShape& s, const Plan& pl) {
+  return {s.seq, s.dim, pl.tile, pl.tiles_per_batch, static_cast<int>(s.width), s.silu};
+}
+
 template <class T, int V, int W>
 int fwd_launch(T* y, const T* x, const T* w, const T* b, const CausalConv1dShape& s, const Plan& pl,
                cudaStream_t stream) {
-  const int64_t cols = (s.dim + V - 1) / V;
-  const dim3 grid(static_cast<unsigned>(s.batch * pl.tiles_per_batch),
-                  static_cast<unsigned>((cols + kCols - 1) / kCols));
-  const Args a{s.seq, s.dim, pl.tile, pl.tiles_per_batch, static_cast<int>(s.width), s.silu};
-  fwd_kernel<T, V, W><<<grid, dim3(kCols, kRows), 0, stream>>>(y, x, w, b, a);
+  fwd_kernel<T, V, W><<<grid_of(s, pl, V), dim3(kCols, kRows), 0, stream>>>(y, x, w, b, args_of(s, pl));
   return static_cast<int>(cudaGetLastError());
 }
 
 template <class T, int V, int W>
 int bwd_launch(T* dx, float* part_w, float* part_b, const T* dy, const T* x, const T* w, const T* b,
                const CausalConv1dShape& s, const Plan& pl, cudaStream_t stream) {
-  const int64_t cols = (s.dim + V - 1) / V;
-  const dim3 grid(static_cast<unsigned>(s.batch * pl.tiles_per_batch),
-                  static_cast<unsigned>((cols + kCols - 1) / kCols));
-  const Args a{s.seq, s.dim, pl.tile, pl.tiles_per_batch, static_cast<int>(s.width), s.silu};
   const size_t smem = sizeof(float) * kRows * kCols * (Width<W>::kWM + 1) * V;
-  bwd_kernel<T, V, W><<<grid, dim3(kCols, kRows), smem, stream>>>(dx, part_w, part_b, dy, x, w, b, a);
+  bwd_kernel<T, V, W><<<grid_of(s, pl, V), dim3(kCols, kRows), smem, stream>>>(
+      dx, part_w, part_b, dy, x, w, b, args_of(s, pl));
   return static_cast<int>(cudaGetLastError());
 }
 

@@ -35,10 +35,10 @@ Tensor padded(const Tensor& x, int64_t width, at::ScalarType acc) {
   return at::constant_pad_nd(in_dtype(x, acc), {0, 0, width - 1, 0});
 }
 
-// bias + sum_j weight[:, j] * x[t - (width - 1) + j], in acc.
-Tensor pre_activation(const Tensor& x, const Tensor& w, const OptTensor& b, at::ScalarType acc) {
-  const int64_t width = w.size(1), seq = x.size(1);
-  Tensor xp = padded(x, width, acc), wf = in_dtype(w, acc);
+// bias + sum_j weight[:, j] * x[t - (width - 1) + j], in acc, from x padded (padded()).
+Tensor pre_activation(const Tensor& xp, const Tensor& w, const OptTensor& b, at::ScalarType acc) {
+  const int64_t width = w.size(1), seq = xp.size(1) - (width - 1);
+  Tensor wf = in_dtype(w, acc);
   Tensor pre = xp.narrow(1, 0, seq) * wf.select(1, 0);
   for (int64_t j = 1; j < width; ++j) pre = pre + xp.narrow(1, j, seq) * wf.select(1, j);
   return b ? pre + in_dtype(*b, acc) : pre;
@@ -47,7 +47,8 @@ Tensor pre_activation(const Tensor& x, const Tensor& w, const OptTensor& b, at::
 Tensor reference_op(const Tensor& x, const Tensor& w, const OptTensor& b,
                     c10::string_view activation) {
   const bool silu = parse_activation(activation);
-  Tensor pre = pre_activation(x, w, b, acc_type(x));
+  const auto acc = acc_type(x);
+  Tensor pre = pre_activation(padded(x, w.size(1), acc), w, b, acc);
   return in_dtype(silu ? at::silu(pre) : pre, x.scalar_type());
 }
 
@@ -64,8 +65,9 @@ Grads reference_bwd(const Tensor& dy, const Tensor& x, const Tensor& w, const Op
   const auto acc = acc_type(x);
   const int64_t width = w.size(1), seq = x.size(1);
   Tensor g = in_dtype(dy, acc);
+  Tensor xp = silu || need(1) ? padded(x, width, acc) : Tensor();
   if (silu) {
-    Tensor pre = pre_activation(x, w, b, acc), s = at::sigmoid(pre);
+    Tensor pre = pre_activation(xp, w, b, acc), s = at::sigmoid(pre);
     g = g * (s * (1 + pre * (1 - s)));
   }
   Tensor dx, dw, db;
@@ -80,7 +82,6 @@ Grads reference_bwd(const Tensor& dy, const Tensor& x, const Tensor& w, const Op
     dx = in_dtype(dx, x.scalar_type()).contiguous();
   }
   if (need(1)) {
-    Tensor xp = padded(x, width, acc);
     std::vector<Tensor> taps;
     for (int64_t j = 0; j < width; ++j) taps.push_back((g * xp.narrow(1, j, seq)).sum(at::IntArrayRef{0, 1}));
     dw = in_dtype(at::stack(taps, 1), w.scalar_type()).contiguous();
