@@ -75,12 +75,18 @@ def poison_cuda_allocator(device: torch.device, nbytes: int = 1 << 26) -> None:
 
 
 def assert_cuda_graph_replays(step: Callable[[], Sequence[torch.Tensor]], refill: Callable[[], None],
-                              rounds: int = 3) -> None:
+                              rounds: int = 3, stream: Optional[torch.cuda.Stream] = None) -> None:
     """Captures step() (forward and backward, returning its tensors) in a CUDA graph, after two
     warm-up calls on a side stream as capture requires; then `rounds` times refills the inputs in
     place (refill(), under no_grad), replays the graph and asserts that every tensor it returned
-    equals what a fresh eager step() returns."""
-    side = torch.cuda.Stream()
+    equals what a fresh eager step() returns.
+
+    `stream`: the side stream, where the caller made its inputs on one. A view of a leaf made
+    before capture (a strided argument) holds the leaf's AccumulateGrad node, which keeps the
+    stream it was made on; made on the legacy default stream, the backward's gradient for it
+    syncs with that stream mid-capture (cudaErrorStreamCaptureImplicit), as plain PyTorch
+    does."""
+    side = torch.cuda.Stream() if stream is None else stream
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm up outside capture
         for _ in range(2):

@@ -699,12 +699,17 @@ def test_gpu_leading_dims(op, backend):
     check_leading_dims(op, backend, "cuda")
 
 
-def check_cuda_graph(op, backend, device, replays=assert_cuda_graph_replays):
+def check_cuda_graph(op, backend, device):
     """Forward and backward captured once, replayed on refilled inputs and cotangents, equal to
-    eager each time (bfloat16, every normal-valued smoke case the backend serves)."""
+    eager each time (bfloat16, every normal-valued smoke case the backend serves). The case's
+    tensors are made on the capturing stream, as code that captures makes its inputs: a strided
+    argument, a view made before capture, keeps its leaf's AccumulateGrad on the stream it was
+    made on (assert_cuda_graph_replays)."""
     for cid, enc in served_cases(op, backend, device, cases(op, dtype="bfloat16", regime="normal", grad="1")):
-        args, leaves = call_args(enc, device)
-        with kg.use(force={op: backend}):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), kg.use(force={op: backend}):
+            args, leaves = call_args(enc, device)
             cots = cotangents(as_list(op_fn(op)(*args)))
 
             def step():
@@ -715,33 +720,18 @@ def check_cuda_graph(op, backend, device, replays=assert_cuda_graph_replays):
                 for t in leaves + cots:
                     t.copy_(torch.randn_like(t))
 
-            replays(step, refill)
+            assert_cuda_graph_replays(step, refill, stream=side)
+        torch.cuda.current_stream().wait_stream(side)
 
 
 # Pairs whose forward+backward cannot be captured yet, why, and whether the failure is certain
 # (strict: a capture that succeeds fails the test, so the entry goes when it is fixed) or depends
 # on what ran before in the process (not strict: reported as XFAIL or XPASS, never as passed).
-KNOWN_CAPTURE_FAILURES = {
-    ("add_rms_norm", "reference"): (True, "the reference backend's backward differentiates the reference "
-                                    "with ATen's autograd inside the routed backward; during capture that "
-                                    "touches the legacy stream (cudaErrorStreamCaptureImplicit, with "
-                                    "PyTorch's AccumulateGrad stream-mismatch warning); fails alone too"),
-    ("rms_norm", "aten"): (False, "the same cudaErrorStreamCaptureImplicit in its backward when other GPU "
-                           "tests ran before it in the process (pytest -n 8); passes alone"),
-    ("add_rms_norm", "eager"): (False, "the same cudaErrorStreamCaptureImplicit: the plain PyTorch code's "
-                                "autograd during capture (seen once, under pytest -n 8)"),
-    ("cross_entropy", "eager"): (False, "the same cudaErrorStreamCaptureImplicit: the plain PyTorch code's "
-                                 "autograd during capture (seen once, under pytest -n 8)"),
-}
-# The same cudaErrorStreamCaptureImplicit ("would make the legacy stream depend on a capturing
-# blocking stream") in the backward of these library pairs on the H200, in two runs each (pytest
-# -n 8 and -n 14); rms_norm/liger, swiglu/liger and layer_norm/fla passed in the same runs. Routed
-# through kernelgate at 128 x 2048 each is captured and replayed, its backward on the capturing
-# stream (scripts/capture_diag.py): the cause is not isolated yet, so not strict.
-KNOWN_CAPTURE_FAILURES.update({
-    pair: (False, "cudaErrorStreamCaptureImplicit in the backward during capture under pytest -n 8 / -n 14 "
-                  "on the H200 (not isolated: scripts/capture_diag.py captures it routed)")
-    for pair in [("layer_norm", "liger"), ("geglu", "liger"), ("rms_norm", "fla"), ("swiglu", "fla")]})
+# None now: every cudaErrorStreamCaptureImplicit recorded here before (the reference and eager
+# backends of the norms and losses, four library pairs) was the test's own strided arguments,
+# made on the legacy stream before capture (check_cuda_graph); with them made on the capturing
+# stream the strict entry (add_rms_norm/reference) passed on the H200.
+KNOWN_CAPTURE_FAILURES: dict = {}
 
 
 # Library backends that sync with the host never serve under capture (they are refused there,
