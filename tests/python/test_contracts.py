@@ -426,11 +426,18 @@ def test_forward_only_backends_say_why(op, backend):
 # ---- PyTorch integration: opcheck, torch.compile, double backward ----------------------------------
 
 def integration_cases(op, backend, device, grad=None, **where):
-    """float32 cases of the smoke grid with normal values that `backend` serves: both grad modes
-    (or `grad`), a non-contiguous layout, absent optionals, every variant."""
+    """Cases of the smoke grid with normal values that `backend` serves, in float32 or, for a
+    backend that serves none in float32 (kernel-fun's 16-bit kernels), the first dtype it
+    serves: both grad modes (or `grad`), a non-contiguous layout, absent optionals, every
+    variant."""
     if grad is not None:
         where["grad"] = "1" if grad else "0"
-    return served_cases(op, backend, device, cases(op, regime="normal", **where))
+    for dtype in sorted(INFO[op]["dtypes"], key=lambda d: d != "float32"):
+        candidates = cases(op, dtype=dtype, regime="normal", **where)
+        out = [(cid, enc) for cid, enc in candidates if serves(op, backend, call_args(enc, device)[0])]
+        if out:
+            return out
+    return served_cases(op, backend, device, cases(op, regime="normal", **where))  # fails, naming them
 
 
 # opcheck's checks that depend on the backend (aliasing and mutation; the Meta shapes and strides
@@ -490,28 +497,42 @@ def check_compile(op, device):
     """Compiled once (fullgraph), run with each backend forced: forward and gradients equal to
     eager with the same backend. Without gradients too where a backend serves only such calls."""
     forward_only = [b for o, b in FORWARD_ONLY[device] if o == op]
+    elsewhere = []  # backends that implement no call of the default form
     for grad in (True, False) if forward_only else (True,):
         (cid, enc), = [c for c in cases(op, regime="normal", layout="contiguous", optional="1", strings="",
                                         grad="1" if grad else "0") if fields(c[1])["dims"] == mid_dims(op)]
-        args, leaves = call_args(enc, device)
-        block = compiled_block(op, args)
-        torch._dynamo.reset()
-        compiled = torch.compile(block, fullgraph=True)
-        ran = []
-        for backend in backends(op, device) if grad else ["reference", *forward_only]:
-            if not serves(op, backend, args):
-                assert (op, backend) in FORWARD_ONLY[device], f"{backend} does not serve {cid}"
+        args, _ = call_args(enc, device)
+        named = backends(op, device) if grad else ["reference", *forward_only]
+        served = [b for b in named if serves(op, b, args)]
+        for backend in set(named) - set(served):
+            if (op, backend) in FORWARD_ONLY[device]:
                 continue
-            ran.append(backend)
-            with kg.use(force={op: backend}):
-                got, eager = compiled(*args), block(*args)
-                for i, (g, e) in enumerate(zip(got, eager, strict=True)):
-                    torch.testing.assert_close(g, e, msg=lambda m: f"{backend}, {cid}, output {i}: {m}")
-                if grad:
-                    cots = cotangents(eager)
-                    for i, (g, e) in enumerate(zip(grads(got, leaves, cots), grads(eager, leaves, cots), strict=True)):
-                        torch.testing.assert_close(g, e, msg=lambda m: f"{backend}, {cid}, gradient {i}: {m}")
-        assert "reference" in ran, (cid, ran)
+            library = any((b.op, b.name) == (op, backend) for b in kg.backends.BACKENDS)
+            assert library, f"{backend} does not serve {cid}"
+            elsewhere.append(backend)
+        assert "reference" in served, (cid, served)
+        compile_and_compare(op, cid, enc, device, served, grad)
+    # A library backend that implements one form only (kernel-fun's causal_conv1d: silu without a
+    # bias, 16-bit dtypes): compiled on the first contiguous case of the grid it serves.
+    for backend in elsewhere:
+        cid, enc = integration_cases(op, backend, device, grad=True, layout="contiguous")[0]
+        compile_and_compare(op, cid, enc, device, [backend], True)
+
+
+def compile_and_compare(op, cid, enc, device, names, grad):
+    args, leaves = call_args(enc, device)
+    block = compiled_block(op, args)
+    torch._dynamo.reset()
+    compiled = torch.compile(block, fullgraph=True)
+    for backend in names:
+        with kg.use(force={op: backend}):
+            got, eager = compiled(*args), block(*args)
+            for i, (g, e) in enumerate(zip(got, eager, strict=True)):
+                torch.testing.assert_close(g, e, msg=lambda m: f"{backend}, {cid}, output {i}: {m}")
+            if grad:
+                cots = cotangents(eager)
+                for i, (g, e) in enumerate(zip(grads(got, leaves, cots), grads(eager, leaves, cots), strict=True)):
+                    torch.testing.assert_close(g, e, msg=lambda m: f"{backend}, {cid}, gradient {i}: {m}")
 
 
 def mid_dims(op):
