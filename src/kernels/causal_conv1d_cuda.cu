@@ -1,14 +1,21 @@
 // Causal depthwise conv1d CUDA kernels (contract in causal_conv1d.h).
 //
 // x is [batch, seq, dim] with dim contiguous, so a row of x (one time step) is a run of
-// channels. A thread owns V consecutive channels (a 16-byte vector in the forward, an 8-byte one
-// in the backward, which holds more in registers; one channel where dim or a pointer does not
-// allow a vector) and a tile of consecutive time steps; a warp's 32 threads cover
-// 32 * V consecutive channels, so every load and store is coalesced. Walking its tile, a thread
-// keeps the last width inputs of its channels in registers (a sliding window) and its weights
-// there too: x is read once, plus width - 1 rows before each tile. It loads U rows (4 forward,
-// 2 backward) before computing any, so U loads per thread are in flight. blockDim.y threads take consecutive tiles
-// of the same channels.
+// channels. A thread owns V consecutive channels (an 8-byte vector; one channel where dim or a
+// pointer does not allow a vector) and a tile of consecutive time steps; a warp's 32 threads
+// cover 32 * V consecutive channels, so every load and store is coalesced. Walking its tile, a
+// thread keeps the last width inputs of its channels in registers (a sliding window) and its
+// weights there too: x is read once, plus width - 1 rows before each tile. It loads U rows (8
+// forward, 2 backward) before computing any, so U loads per thread are in flight. blockDim.y
+// threads take consecutive tiles of the same channels.
+//
+// What bounds it is the bytes in flight per SM, and registers bound those (the window, weights
+// and, in the backward, the dw sums are all in registers). Measured on the H200 (B4 T4096 D8192
+// W4 silu bf16, bench/results/h200/tuning/causal_conv1d_variants.json): the forward at 16-byte
+// vectors and 4 rows (136 registers) moved 0.40 of the copy bandwidth, at 8 bytes and 8 rows
+// (108) 0.75; capping registers by launch bounds spilled and was slower (0.25-0.56), as were
+// 16 rows, a window kept as loaded vectors, and L2 prefetch hints 8-32 rows ahead (0.65-0.76).
+// The backward's 8 bytes and 2 rows (125 registers) was the best of 4-16 bytes and 2-8 rows.
 //
 // The backward recomputes the pre-activation from x (nothing is saved but the inputs):
 //   g[t] = dy[t] * act'(pre[t]),  dx[t] = sum_j w[j] g[t + width - 1 - j],
@@ -39,7 +46,7 @@ namespace causal_conv1d_detail {
 
 constexpr int kCols = 32;  // blockDim.x: threads along channels
 constexpr int kRows = 4;   // blockDim.y: threads along time tiles
-constexpr int kFwdU = 4;   // rows loaded before computing
+constexpr int kFwdU = 8;   // rows loaded before computing
 constexpr int kBwdU = 2;
 constexpr int kMaxW = static_cast<int>(kCausalConv1dMaxWidth);
 
@@ -434,7 +441,7 @@ int bwd_width(T* dx, float* part_w, float* part_b, const T* dy, const T* x, cons
 template <class T>
 int fwd(void* y, const void* x, const void* w, const void* b, const CausalConv1dShape& s,
         int sm_count, cudaStream_t stream) {
-  constexpr int V = 16 / sizeof(T);
+  constexpr int V = 8 / sizeof(T);
   const Plan pl = plan(s, sm_count);
   auto* yp = static_cast<T*>(y);
   const auto *xp = static_cast<const T*>(x), *wp = static_cast<const T*>(w),
