@@ -9,13 +9,13 @@
 // forward, 2 backward) before computing any, so U loads per thread are in flight. blockDim.y
 // threads take consecutive tiles of the same channels.
 //
-// What bounds it is the bytes in flight per SM, and registers bound those (the window, weights
-// and, in the backward, the dw sums are all in registers). Measured on the H200 (B4 T4096 D8192
-// W4 silu bf16, bench/results/h200/tuning/causal_conv1d_variants.json): the forward at 16-byte
-// vectors and 4 rows (136 registers) moved 0.40 of the copy bandwidth, at 8 bytes and 8 rows
-// (108) 0.75; capping registers by launch bounds spilled and was slower (0.25-0.56), as were
-// 16 rows, a window kept as loaded vectors, and L2 prefetch hints 8-32 rows ahead (0.65-0.76).
-// The backward's 8 bytes and 2 rows (125 registers) was the best of 4-16 bytes and 2-8 rows.
+// Measured on the H200 (B4 T4096 D8192 W4 silu bf16, bench/results/h200/tuning/
+// causal_conv1d_variants.json): the forward at 16-byte vectors and 4 rows (136 registers) moved
+// 0.40 of the copy bandwidth, at 8 bytes and 8 rows (108) 0.75; capping registers by launch
+// bounds spilled and was slower (0.25-0.56), as were 16 rows, a window kept as loaded vectors and
+// L2 prefetch hints 8-32 rows ahead (0.65-0.76). A shared-memory ring holding 16 rows per thread
+// in flight (cp.async, 72 registers) reached 0.76: past 8 rows, bytes in flight are not the
+// limit. The backward's 8 bytes and 2 rows (125 registers) was the best of 4-16 bytes, 2-8 rows.
 //
 // The backward recomputes the pre-activation from x (nothing is saved but the inputs):
 //   g[t] = dy[t] * act'(pre[t]),  dx[t] = sum_j w[j] g[t + width - 1 - j],
