@@ -1,0 +1,362 @@
+"""One training step of a hybrid LM: Gated DeltaNet blocks (with their short convs) alternating
+with attention blocks, swiglu MLPs, rms_norm, rope and a fused linear cross-entropy head. The
+step issue 16 ends in: kernelgate as installed against the calls a researcher hand-picks today.
+
+The model (default sizes): 8 layers alternating Gated DeltaNet and attention (GDN first), hidden
+2048; GDN: 16 heads of 128 (q, k, v), short convs of width 4 on q, k and v (silu), gates
+g = -exp(A_log) * softplus(a(x) + dt_bias) and beta = sigmoid(b(x)), the gated delta rule with q
+and k l2-normalised, a per-head rms_norm gated by silu(gate(x)); attention: 16 query and 4 kv
+heads of 128 through SDPA (causal, GQA) with rope; swiglu MLP 5632; vocab 128256; batch 4 x 2048
+tokens, bfloat16. Variants:
+
+  eager       plain PyTorch: the eager ops of bench_train_step.py, the short conv as PyTorch's
+              depthwise conv1d, the gated delta rule chunked in plain PyTorch (chunked_gdr below)
+  compile     torch.compile of the eager model
+  fla_liger   what a researcher hand-picks today: Liger-Kernel's norms, rope, swiglu and fused
+              linear cross entropy, FLA's causal_conv1d and chunk_gated_delta_rule
+  kernelgate  kernelgate's ops as installed (kg.rms_norm, kg.add_rms_norm, kg.rope, kg.swiglu,
+              kg.linear_cross_entropy), kernelgate.fla.causal_conv1d (the drop-in); the gated
+              delta rule is FLA's (kernelgate has no such op yet: recorded in "served")
+
+Per variant: step time (CUDA events, median after warm-up), tokens/s, peak memory, agreement
+with eager (loss, every parameter's gradient), and for kernelgate which backend serves each op.
+
+    python bench/bench_hybrid_step.py --out bench/results/h200/hybrid_step.json
+    python bench/bench_hybrid_step.py --tiny --device cpu --variants eager     # a check
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import kernelgate as kg
+from bench_train_step import EagerOps, KernelgateOps, LigerOps, agreement, profile_top, ratios
+from common import environment, print_table, write_json
+
+FULL = dict(layers=8, hidden=2048, heads=16, kv_heads=4, head_dim=128, gdn_heads=16, gdn_dim=128,
+            conv=4, mlp=5632, vocab=128256, batch=4, seq=2048)
+TINY = dict(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, gdn_heads=4, gdn_dim=16,
+            conv=4, mlp=96, vocab=200, batch=2, seq=40)
+CHUNK = 64
+
+
+def chunked_gdr(q, k, v, g, beta, scale, chunk=CHUNK):
+    """The gated delta rule in plain PyTorch, chunk by chunk, on [batch, seq, heads, dim] (q, k
+    already l2-normalised; g <= 0 in log space, beta in [0, 1]); float32 math (float64 for
+    float64 inputs). Per head, with
+    state S [dk, dv]: S_t = exp(g_t) S_{t-1} + k_t u_t^T, u_t = beta_t (v_t - exp(g_t) S_{t-1}^T
+    k_t), o_t = scale * S_t^T q_t. Within a chunk, with G the running sum of g and S0 the state
+    entering it: U = T^-1 diag(beta) (V - diag(exp G) K S0), T = I + diag(beta) (strictly lower
+    exp(G_i - G_j) K K^T); O = scale (diag(exp G) Q S0 + (lower-inclusive exp(G_i - G_j) Q K^T) U);
+    the state leaving it exp(G_C) S0 + K^T diag(exp(G_C - G)) U."""
+    dt, acc = v.dtype, torch.promote_types(v.dtype, torch.float32)  # float64 stays float64
+    q, k, v = (t.transpose(1, 2).to(acc) for t in (q, k, v))  # [B, H, T, d]
+    g, beta = g.transpose(1, 2).to(acc), beta.transpose(1, 2).to(acc)  # [B, H, T]
+    B, H, T, dk = k.shape
+    state = q.new_zeros(B, H, dk, v.shape[-1])
+    outs = []
+    for s in range(0, T, chunk):
+        qc, kc, vc = q[:, :, s:s + chunk], k[:, :, s:s + chunk], v[:, :, s:s + chunk]
+        G = g[:, :, s:s + chunk].cumsum(-1)
+        bc = beta[:, :, s:s + chunk]
+        n = G.shape[-1]
+        diff = G[..., :, None] - G[..., None, :]  # G_i - G_j
+        lower = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        decay = torch.exp(torch.where(lower, diff, float("-inf")))  # 0 above the diagonal
+        strict = decay * (~torch.eye(n, dtype=torch.bool, device=q.device))
+        tmat = torch.eye(n, device=q.device, dtype=acc) + bc[..., None] * (strict * (kc @ kc.transpose(-1, -2)))
+        rhs = bc[..., None] * (vc - G.exp()[..., None] * (kc @ state))
+        u = torch.linalg.solve_triangular(tmat, rhs, upper=False, unitriangular=True)
+        o = G.exp()[..., None] * (qc @ state) + (decay * (qc @ kc.transpose(-1, -2))) @ u
+        outs.append(scale * o)
+        last = G[..., -1:]
+        state = last.exp()[..., None] * state + kc.transpose(-1, -2) @ (torch.exp(last - G)[..., None] * u)
+    return torch.cat(outs, 2).transpose(1, 2).to(dt)
+
+
+def recurrent_gdr(q, k, v, g, beta, scale):
+    """The same recurrence one step at a time (float64 where given): the check of chunked_gdr."""
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    g, beta = g.transpose(1, 2), beta.transpose(1, 2)
+    B, H, T, dk = k.shape
+    state = q.new_zeros(B, H, dk, v.shape[-1])
+    outs = []
+    for t in range(T):
+        state = g[:, :, t, None, None].exp() * state
+        u = beta[:, :, t, None] * (v[:, :, t] - (state * k[:, :, t, :, None]).sum(-2))
+        state = state + k[:, :, t, :, None] * u[:, :, None, :]
+        outs.append(scale * (state * q[:, :, t, :, None]).sum(-2))
+    return torch.stack(outs, 2).transpose(1, 2)
+
+
+def eager_conv(x, w):
+    """silu of the causal depthwise conv over time of x [batch, seq, dim] with w [dim, width]."""
+    y = F.conv1d(x.transpose(1, 2), w.unsqueeze(1), None, padding=w.shape[1] - 1, groups=x.shape[2])
+    return F.silu(y[..., : x.shape[1]]).transpose(1, 2)
+
+
+class EagerHybrid(EagerOps):
+    def conv(self, x, w):
+        return eager_conv(x, w)
+
+    def gdr(self, q, k, v, g, beta, scale):
+        return chunked_gdr(F.normalize(q, dim=-1), F.normalize(k, dim=-1), v, g, beta, scale)
+
+
+class FlaGdr:
+    """FLA's chunked gated delta rule, q and k l2-normalised in its kernel."""
+
+    def gdr(self, q, k, v, g, beta, scale):
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+        return chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=True)[0]
+
+
+class FlaLigerHybrid(FlaGdr, LigerOps):
+    name = "fla_liger"
+
+    def conv(self, x, w):
+        from fla.modules.convolution import causal_conv1d
+        return causal_conv1d(x, w, activation="silu")[0]
+
+
+class KernelgateHybrid(FlaGdr, KernelgateOps):
+    def conv(self, x, w):
+        from kernelgate.fla import causal_conv1d
+        return causal_conv1d(x, w, activation="silu")[0]
+
+
+class HybridModel(torch.nn.Module):
+    def __init__(self, cfg, ops):
+        super().__init__()
+        self.cfg, self.ops = cfg, ops
+        H, D, Hg, Dg = cfg["hidden"], cfg["head_dim"], cfg["gdn_heads"], cfg["gdn_dim"]
+        lin = lambda i, o: torch.nn.Linear(i, o, bias=False)  # noqa: E731
+        self.embed = torch.nn.Embedding(cfg["vocab"], H)
+        self.layers = torch.nn.ModuleList()
+        for i in range(cfg["layers"]):
+            layer = torch.nn.Module()
+            layer.kind = "gdn" if i % 2 == 0 else "attn"
+            layer.mix_norm = torch.nn.Parameter(torch.ones(H))
+            if layer.kind == "gdn":
+                layer.q, layer.k, layer.v = lin(H, Hg * Dg), lin(H, Hg * Dg), lin(H, Hg * Dg)
+                for name in ("q_conv", "k_conv", "v_conv"):
+                    setattr(layer, name, torch.nn.Parameter(torch.randn(Hg * Dg, cfg["conv"]) * 0.3))
+                layer.a, layer.b, layer.gate = lin(H, Hg), lin(H, Hg), lin(H, Hg * Dg)
+                layer.A_log = torch.nn.Parameter(torch.log(torch.empty(Hg).uniform_(1, 16)))
+                layer.dt_bias = torch.nn.Parameter(torch.zeros(Hg))
+                layer.o_norm = torch.nn.Parameter(torch.ones(Dg))
+                layer.o = lin(Hg * Dg, H)
+            else:
+                layer.q, layer.k = lin(H, cfg["heads"] * D), lin(H, cfg["kv_heads"] * D)
+                layer.v, layer.o = lin(H, cfg["kv_heads"] * D), lin(cfg["heads"] * D, H)
+            layer.mlp_norm = torch.nn.Parameter(torch.ones(H))
+            layer.up, layer.gate_mlp = lin(H, cfg["mlp"]), lin(H, cfg["mlp"])
+            layer.down = lin(cfg["mlp"], H)
+            self.layers.append(layer)
+        self.final_norm = torch.nn.Parameter(torch.ones(H))
+        self.lm_head = lin(H, cfg["vocab"])
+        inv = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+        ang = torch.outer(torch.arange(cfg["seq"]).float(), inv)
+        ang = torch.cat([ang, ang], -1)[None]
+        self.register_buffer("cos", ang.cos(), persistent=False)
+        self.register_buffer("sin", ang.sin(), persistent=False)
+
+    def gdn(self, layer, x):
+        cfg, ops = self.cfg, self.ops
+        B, S, _ = x.shape
+        Hg, Dg = cfg["gdn_heads"], cfg["gdn_dim"]
+        q = ops.conv(layer.q(x), layer.q_conv.to(x.dtype)).view(B, S, Hg, Dg)
+        k = ops.conv(layer.k(x), layer.k_conv.to(x.dtype)).view(B, S, Hg, Dg)
+        v = ops.conv(layer.v(x), layer.v_conv.to(x.dtype)).view(B, S, Hg, Dg)
+        g = -layer.A_log.float().exp() * F.softplus(layer.a(x).float() + layer.dt_bias.float())
+        beta = torch.sigmoid(layer.b(x))
+        o = ops.gdr(q, k, v, g, beta, Dg ** -0.5)
+        o = ops.norm(o, layer.o_norm) * F.silu(layer.gate(x).view(B, S, Hg, Dg))
+        return layer.o(o.reshape(B, S, Hg * Dg))
+
+    def attention(self, layer, x, cos, sin):
+        cfg, ops = self.cfg, self.ops
+        B, S, _ = x.shape
+        Hq, Hkv, D = cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
+        q = layer.q(x).view(B, S, Hq, D).transpose(1, 2)
+        k = layer.k(x).view(B, S, Hkv, D).transpose(1, 2)
+        v = layer.v(x).view(B, S, Hkv, D).transpose(1, 2)
+        q, k = ops.rope(q, k, cos, sin)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return layer.o(a.transpose(1, 2).reshape(B, S, Hq * D))
+
+    def forward(self, ids, targets):
+        ops = self.ops
+        B, S = ids.shape
+        cos, sin = self.cos.to(self.embed.weight.dtype), self.sin.to(self.embed.weight.dtype)
+        residual = self.embed(ids)
+        x = ops.norm(residual, self.layers[0].mix_norm)
+        for i, layer in enumerate(self.layers):
+            mixed = self.gdn(layer, x) if layer.kind == "gdn" else self.attention(layer, x, cos, sin)
+            x, residual = ops.add_norm(mixed, residual, layer.mlp_norm)
+            m = layer.down(ops.swiglu(layer.gate_mlp(x), layer.up(x)))
+            nxt = self.layers[i + 1].mix_norm if i + 1 < len(self.layers) else self.final_norm
+            x, residual = ops.add_norm(m, residual, nxt)
+        return ops.loss(x.reshape(B * S, -1), self.lm_head.weight, targets.reshape(-1))
+
+
+def make_ops(variant):
+    table = {"eager": EagerHybrid, "compile": EagerHybrid, "fla_liger": FlaLigerHybrid,
+             "kernelgate": KernelgateHybrid}
+    if variant not in table:
+        raise SystemExit(f"--variants: unknown variant '{variant}' ({', '.join(table)})")
+    return table[variant]()
+
+
+def served(cfg, dev, dt):
+    """Which backend serves each kernelgate call of the model at its shapes, in a training step."""
+    B, S, H = cfg["batch"], cfg["seq"], cfg["hidden"]
+    Dg = cfg["gdn_heads"] * cfg["gdn_dim"]
+
+    def t(*shape):
+        return torch.empty(*shape, device=dev, dtype=dt, requires_grad=True)
+
+    cos = torch.empty(1, S, cfg["head_dim"], device=dev, dtype=dt)
+    calls = {
+        "rms_norm": (t(B, S, H), t(H)),
+        "rms_norm (gdn output, per head)": (t(B, S, cfg["gdn_heads"], cfg["gdn_dim"]), t(cfg["gdn_dim"])),
+        "add_rms_norm": (t(B, S, H), t(B, S, H), t(H)),
+        "rope": (t(B, S, cfg["heads"], cfg["head_dim"]).transpose(1, 2),
+                 t(B, S, cfg["kv_heads"], cfg["head_dim"]).transpose(1, 2), cos, cos),
+        "swiglu": (t(B * S, cfg["mlp"]), t(B * S, cfg["mlp"])),
+        "linear_cross_entropy": (t(B * S, H), t(cfg["vocab"], H), torch.zeros(B * S, dtype=torch.long, device=dev)),
+    }
+    out = {}
+    for name, args in calls.items():
+        e = kg.explain(name.split(" ")[0], *args)
+        out[name] = {"backend": e.backend, "reason": e.reason}
+    from kernelgate.fla import explain_causal_conv1d
+    out["causal_conv1d (kernelgate.fla)"] = {"reason": explain_causal_conv1d(t(B, S, Dg), t(Dg, cfg["conv"]),
+                                                                             activation="silu")}
+    out["gated_delta_rule"] = {"backend": "fla", "reason": "kernelgate has no gated_delta_rule op yet"}
+    return out
+
+
+def run_variant(variant, cfg, state, ids, targets, dev, dt, warmup, steps, profile=False):
+    model = HybridModel(cfg, make_ops(variant)).to(dev, dt)
+    model.load_state_dict(state)
+    step_fn = torch.compile(model) if variant == "compile" else model
+    cuda = dev.startswith("cuda")
+
+    def step():
+        for p in model.parameters():
+            p.grad = None
+        loss = step_fn(ids, targets)
+        loss.backward()
+        return loss
+
+    t0 = time.perf_counter()
+    loss = step()
+    if cuda:
+        torch.cuda.synchronize()
+    result = {"variant": variant, "first_step_s": time.perf_counter() - t0, "loss": float(loss.detach())}
+    grads = {n: p.grad.detach().float().cpu() for n, p in model.named_parameters()}
+    for _ in range(warmup):
+        step()
+    times = []
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    for _ in range(steps):
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            step()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            t0 = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - t0) * 1e3)
+    ms = statistics.median(times)
+    result.update(step_ms=ms, step_ms_min=min(times), step_ms_max=max(times),
+                  tokens_per_s=cfg["batch"] * cfg["seq"] / (ms / 1e3))
+    if cuda:
+        result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        if profile:
+            result["profile_top_kernels"] = profile_top(step)
+    del model, step_fn
+    if cuda:
+        torch.cuda.empty_cache()
+    return result, grads
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--variants", default="eager,fla_liger,kernelgate,compile")
+    ap.add_argument("--tiny", action="store_true", help="a small model, to check the script")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None, help="default bfloat16 on CUDA, float32 on the CPU")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--profile", default="", help="comma-separated variants to profile (CUDA only)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    cfg = TINY if args.tiny else FULL
+    dev = args.device
+    dt = getattr(torch, args.dtype or ("bfloat16" if dev.startswith("cuda") else "float32"))
+    variants = [v for v in args.variants.split(",") if v]
+    if "eager" not in variants:
+        variants.insert(0, "eager")  # the reference of agreement
+    env = environment("python " + " ".join(sys.argv))
+    torch.manual_seed(0)
+    state = {k: v.to(dev, dt) for k, v in HybridModel(cfg, EagerHybrid()).state_dict().items()}
+    for k in state:  # a trained model's scales: small projection weights, unit norms
+        if state[k].dim() == 2 and not k.endswith("_conv"):
+            state[k].mul_(0.02 / state[k].std().clamp_min(1e-6))
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=g).to(dev)
+    targets = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=g).to(dev)
+    rows, ref, ref_loss = [], None, 0.0
+    for v in variants:
+        try:
+            r, grads = run_variant(v, cfg, state, ids, targets, dev, dt, args.warmup, args.steps,
+                                   profile=dev.startswith("cuda") and v in args.profile.split(","))
+        except ImportError as e:
+            rows.append({"variant": v, "skipped": f"not importable: {e}"})
+            continue
+        except Exception as e:  # a variant that fails is a result, not the end of the run
+            if v == "eager":
+                raise
+            rows.append({"variant": v, "error": f"{type(e).__name__}: {e}"[:2000]})
+            print(v, "failed:", rows[-1]["error"][:300])
+            continue
+        if v == "eager":
+            ref, ref_loss = grads, r["loss"]
+        r["loss_minus_eager"] = r["loss"] - ref_loss
+        r["grad_rel_err_max"], r["grad_rel_err_param"] = agreement(grads, ref)
+        if v == "kernelgate":
+            r["served"] = served(cfg, dev, dt)
+        rows.append(r)
+        print(f"{v}: {r['step_ms']:.2f} ms/step, peak {r.get('peak_gib', float('nan')):.2f} GiB, "
+              f"loss - eager {r['loss_minus_eager']:+.2e}, grad rel err {r['grad_rel_err_max']:.2e}", flush=True)
+        ratios(rows)
+        base = {x["variant"]: x for x in rows if "step_ms" in x}
+        for x in base.values():
+            if "fla_liger" in base:
+                x["x_fla_liger"] = base["fla_liger"]["step_ms"] / x["step_ms"]
+        if args.out:
+            write_json(args.out, {**env, "model": cfg, "dtype": str(dt).replace("torch.", ""),
+                                  "warmup_steps": args.warmup, "timed_steps": args.steps, "variants": rows})
+    print_table([r for r in rows if "step_ms" in r],
+                ["variant", "step_ms", "tokens_per_s", "x_eager", "x_fla_liger", "peak_gib",
+                 "loss_minus_eager", "grad_rel_err_max"])
+    for r in rows:
+        if "skipped" in r:
+            print(r["variant"], r["skipped"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
