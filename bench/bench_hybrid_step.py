@@ -25,18 +25,15 @@ with eager (loss, every parameter's gradient), and for kernelgate which backend 
     python bench/bench_hybrid_step.py --tiny --device cpu --variants eager     # a check
 """
 
-import argparse
-import os
-import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
 import kernelgate as kg
-from bench_train_step import EagerOps, KernelgateOps, LigerOps, agreement, profile_top, ratios
-from common import environment, print_table, write_json
+from bench_train_step import (EagerOps, KernelgateOps, LigerOps, measure_variants, run_variant,
+                              step_arguments, step_inputs, variants_of)
+from common import environment, write_json
 
 FULL = dict(layers=8, hidden=2048, heads=16, kv_heads=4, head_dim=128, gdn_heads=16, gdn_dim=128,
             conv=4, mlp=5632, vocab=128256, batch=4, seq=2048)
@@ -242,119 +239,29 @@ def served(cfg, dev, dt):
     return out
 
 
-def run_variant(variant, cfg, state, ids, targets, dev, dt, warmup, steps, profile=False):
-    model = HybridModel(cfg, make_ops(variant)).to(dev, dt)
-    model.load_state_dict(state)
-    step_fn = torch.compile(model) if variant == "compile" else model
-    cuda = dev.startswith("cuda")
-
-    def step():
-        for p in model.parameters():
-            p.grad = None
-        loss = step_fn(ids, targets)
-        loss.backward()
-        return loss
-
-    t0 = time.perf_counter()
-    loss = step()
-    if cuda:
-        torch.cuda.synchronize()
-    result = {"variant": variant, "first_step_s": time.perf_counter() - t0, "loss": float(loss.detach())}
-    grads = {n: p.grad.detach().float().cpu() for n, p in model.named_parameters()}
-    for _ in range(warmup):
-        step()
-    times = []
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    for _ in range(steps):
-        if cuda:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            step()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            t0 = time.perf_counter()
-            step()
-            times.append((time.perf_counter() - t0) * 1e3)
-    ms = statistics.median(times)
-    result.update(step_ms=ms, step_ms_min=min(times), step_ms_max=max(times),
-                  tokens_per_s=cfg["batch"] * cfg["seq"] / (ms / 1e3))
-    if cuda:
-        result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        if profile:
-            result["profile_top_kernels"] = profile_top(step)
-    del model, step_fn
-    if cuda:
-        torch.cuda.empty_cache()
-    return result, grads
-
-
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--variants", default="eager,fla_liger,kernelgate,compile")
-    ap.add_argument("--tiny", action="store_true", help="a small model, to check the script")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", default=None, help="default bfloat16 on CUDA, float32 on the CPU")
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--profile", default="", help="comma-separated variants to profile (CUDA only)")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+    args = step_arguments("eager,fla_liger,kernelgate,compile").parse_args()
     cfg = TINY if args.tiny else FULL
     dev = args.device
     dt = getattr(torch, args.dtype or ("bfloat16" if dev.startswith("cuda") else "float32"))
-    variants = [v for v in args.variants.split(",") if v]
-    if "eager" not in variants:
-        variants.insert(0, "eager")  # the reference of agreement
+    variants = variants_of(args)
     env = environment("python " + " ".join(sys.argv))
-    torch.manual_seed(0)
-    state = {k: v.to(dev, dt) for k, v in HybridModel(cfg, EagerHybrid()).state_dict().items()}
-    for k in state:  # a trained model's scales: small projection weights, unit norms
-        if state[k].dim() == 2 and not k.endswith("_conv"):
-            state[k].mul_(0.02 / state[k].std().clamp_min(1e-6))
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=g).to(dev)
-    targets = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=g).to(dev)
-    rows, ref, ref_loss = [], None, 0.0
-    for v in variants:
-        try:
-            r, grads = run_variant(v, cfg, state, ids, targets, dev, dt, args.warmup, args.steps,
-                                   profile=dev.startswith("cuda") and v in args.profile.split(","))
-        except ImportError as e:
-            rows.append({"variant": v, "skipped": f"not importable: {e}"})
-            continue
-        except Exception as e:  # a variant that fails is a result, not the end of the run
-            if v == "eager":
-                raise
-            rows.append({"variant": v, "error": f"{type(e).__name__}: {e}"[:2000]})
-            print(v, "failed:", rows[-1]["error"][:300])
-            continue
-        if v == "eager":
-            ref, ref_loss = grads, r["loss"]
-        r["loss_minus_eager"] = r["loss"] - ref_loss
-        r["grad_rel_err_max"], r["grad_rel_err_param"] = agreement(grads, ref)
-        if v == "kernelgate":
-            r["served"] = served(cfg, dev, dt)
-        rows.append(r)
-        print(f"{v}: {r['step_ms']:.2f} ms/step, peak {r.get('peak_gib', float('nan')):.2f} GiB, "
-              f"loss - eager {r['loss_minus_eager']:+.2e}, grad rel err {r['grad_rel_err_max']:.2e}", flush=True)
-        ratios(rows)
-        base = {x["variant"]: x for x in rows if "step_ms" in x}
-        for x in base.values():
-            if "fla_liger" in base:
-                x["x_fla_liger"] = base["fla_liger"]["step_ms"] / x["step_ms"]
+    # the short convs' weights keep their init's scale
+    state, ids, targets = step_inputs(lambda c: HybridModel(c, EagerHybrid()), cfg, dev, dt,
+                                      keep=lambda name: name.endswith("_conv"))
+
+    def record(rows):
         if args.out:
             write_json(args.out, {**env, "model": cfg, "dtype": str(dt).replace("torch.", ""),
                                   "warmup_steps": args.warmup, "timed_steps": args.steps, "variants": rows})
-    print_table([r for r in rows if "step_ms" in r],
-                ["variant", "step_ms", "tokens_per_s", "x_eager", "x_fla_liger", "peak_gib",
-                 "loss_minus_eager", "grad_rel_err_max"])
-    for r in rows:
-        if "skipped" in r:
-            print(r["variant"], r["skipped"])
+
+    measure_variants(
+        variants,
+        lambda v: run_variant(v, cfg, state, ids, targets, dev, dt, args.warmup, args.steps,
+                              profile=dev.startswith("cuda") and v in args.profile.split(","),
+                              build=lambda v: HybridModel(cfg, make_ops(v))),
+        lambda v: served(cfg, dev, dt) if v == "kernelgate" else None, record,
+        peers=("compile", "fla_liger"))
     return 0
 
 

@@ -216,9 +216,11 @@ def profile_top(step, n=25):
     return rows[:n]
 
 
-def run_variant(variant, cfg, state, ids, targets, dev, dt, warmup, steps, profile=False):
+def run_variant(variant, cfg, state, ids, targets, dev, dt, warmup, steps, profile=False,
+                build=None):
+    """One variant's steps: `build(variant)` makes its model (default: this file's Model)."""
     torch.manual_seed(0)
-    model = Model(cfg, make_ops(variant)).to(dev, dt)
+    model = (build or (lambda v: Model(cfg, make_ops(v))))(variant).to(dev, dt)
     model.load_state_dict(state)
     step_fn = model
     if variant.endswith("compile"):
@@ -282,62 +284,29 @@ def agreement(grads, ref):
     return worst, where
 
 
-def ratios(rows):
+def ratios(rows, peers=("compile", "liger")):
     base = {r["variant"]: r for r in rows if "step_ms" in r}
     for r in rows:
         if "step_ms" in r:
             r["x_eager"] = base["eager"]["step_ms"] / r["step_ms"]
-            for peer in ("compile", "liger"):
+            for peer in peers:
                 if peer in base:
                     r[f"x_{peer}"] = base[peer]["step_ms"] / r["step_ms"]
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    # Compiling variants last: their first step compiles (a minute or more each on the H200).
-    ap.add_argument("--variants", default="eager,kernelgate,liger,compile,kernelgate_compile")
-    ap.add_argument("--tiny", action="store_true", help="a small model, to check the script")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", default=None, help="default bfloat16 on CUDA, float32 on the CPU")
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--evidence", action="append", default=[],
-                    help="use these stores as the shipped evidence instead of the package's "
-                         "(e.g. a sweep not yet shipped); default: as installed")
-    ap.add_argument("--profile", default="",
-                    help="comma-separated variants whose kernels are profiled over two extra steps "
-                         "(CUDA only): the top kernels by device time go into the JSON")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-    cfg = TINY if args.tiny else FULL
-    dt = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
-    dev = args.device
-    variants = [v for v in args.variants.split(",") if v]
-    if "eager" not in variants:
-        variants.insert(0, "eager")  # the reference of agreement
-    if args.evidence:
-        # as installed, but with these stores in the package's place: no user store
-        _C.use_evidence(os.fsencode(os.path.join(tempfile.mkdtemp(), "user.sqlite")),
-                        [os.fsencode(p) for p in args.evidence])
-    env = environment("python " + " ".join(sys.argv))
-    torch.manual_seed(0)
-    state = {k: v.to(dev, dt) for k, v in Model(cfg, EagerOps()).state_dict().items()}
-    for k in state:  # a trained model's scales: small weights, unit norms
-        if state[k].dim() == 2:
-            state[k].mul_(0.02 / state[k].std().clamp_min(1e-6))
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=g).to(dev)
-    targets = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=g).to(dev)
-
-    rows, ref = [], None
+def measure_variants(variants, run, served, record, peers=("compile", "liger")):
+    """Each variant's result (eager first: the reference of agreement), with its loss and
+    gradients against eager's and, where served(variant) says, which backend served each op; a
+    variant that cannot import or fails is a result, not the end of the run. record(rows) runs
+    after every variant, so a run cut short keeps what it measured."""
+    rows, ref, ref_loss = [], None, 0.0
     for v in variants:
         try:
-            r, grads = run_variant(v, cfg, state, ids, targets, dev, dt, args.warmup, args.steps,
-                                   profile=dev.startswith("cuda") and v in args.profile.split(","))
+            r, grads = run(v)
         except ImportError as e:
             rows.append({"variant": v, "skipped": f"not importable: {e}"})
             continue
-        except Exception as e:  # a variant that fails is a result, not the end of the run
+        except Exception as e:
             if v == "eager":
                 raise
             rows.append({"variant": v, "error": f"{type(e).__name__}: {e}"[:2000]})
@@ -347,25 +316,90 @@ def main() -> int:
             ref, ref_loss = grads, r["loss"]
         r["loss_minus_eager"] = r["loss"] - ref_loss
         r["grad_rel_err_max"], r["grad_rel_err_param"] = agreement(grads, ref)
-        if v.startswith("kernelgate"):
-            r["served"] = served(cfg, dev, dt)
+        ops = served(v)
+        if ops is not None:
+            r["served"] = ops
         rows.append(r)
         print(f"{v}: {r['step_ms']:.2f} ms/step, first step {r['first_step_s']:.1f} s, "
               f"peak {r.get('peak_gib', float('nan')):.2f} GiB, loss - eager {r['loss_minus_eager']:+.2e}, "
               f"grad rel err {r['grad_rel_err_max']:.2e}", flush=True)
-        ratios(rows)
-        if args.out:  # after every variant: a run cut short keeps what it measured
+        ratios(rows, peers)
+        record(rows)
+    print_table([r for r in rows if "step_ms" in r],
+                ["variant", "step_ms", "tokens_per_s", "x_eager", *[f"x_{p}" for p in peers], "peak_gib",
+                 "loss_minus_eager", "grad_rel_err_max"])
+    for r in rows:
+        if "served" in r:
+            print(r["variant"], {op: s.get("backend", s.get("reason")) for op, s in r["served"].items()})
+        if "skipped" in r:
+            print(r["variant"], r["skipped"])
+    return rows
+
+
+def step_arguments(variants):
+    """The options both step benchmarks take (this one and bench_hybrid_step.py)."""
+    ap = argparse.ArgumentParser()
+    # Compiling variants last: their first step compiles (a minute or more each on the H200).
+    ap.add_argument("--variants", default=variants)
+    ap.add_argument("--tiny", action="store_true", help="a small model, to check the script")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None, help="default bfloat16 on CUDA, float32 on the CPU")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--profile", default="",
+                    help="comma-separated variants whose kernels are profiled over two extra steps "
+                         "(CUDA only): the top kernels by device time go into the JSON")
+    ap.add_argument("--out", default=None)
+    return ap
+
+
+def step_inputs(model, cfg, dev, dt, keep=lambda name: False):
+    """The model's weights at a trained model's scales (matrices scaled to std 0.02, except those
+    `keep` names; norms at 1), and a batch of token ids and targets."""
+    torch.manual_seed(0)
+    state = {k: v.to(dev, dt) for k, v in model(cfg).state_dict().items()}
+    for k in state:
+        if state[k].dim() == 2 and not keep(k):
+            state[k].mul_(0.02 / state[k].std().clamp_min(1e-6))
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=g).to(dev)
+    targets = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=g).to(dev)
+    return state, ids, targets
+
+
+def variants_of(args):
+    variants = [v for v in args.variants.split(",") if v]
+    return variants if "eager" in variants else ["eager", *variants]  # eager: agreement's reference
+
+
+def main() -> int:
+    ap = step_arguments("eager,kernelgate,liger,compile,kernelgate_compile")
+    ap.add_argument("--evidence", action="append", default=[],
+                    help="use these stores as the shipped evidence instead of the package's "
+                         "(e.g. a sweep not yet shipped); default: as installed")
+    args = ap.parse_args()
+    cfg = TINY if args.tiny else FULL
+    dt = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
+    dev = args.device
+    variants = variants_of(args)
+    if args.evidence:
+        # as installed, but with these stores in the package's place: no user store
+        _C.use_evidence(os.fsencode(os.path.join(tempfile.mkdtemp(), "user.sqlite")),
+                        [os.fsencode(p) for p in args.evidence])
+    env = environment("python " + " ".join(sys.argv))
+    state, ids, targets = step_inputs(lambda c: Model(c, EagerOps()), cfg, dev, dt)
+
+    def record(rows):
+        if args.out:
             write_json(args.out, {**env, "model": cfg, "dtype": str(dt).replace("torch.", ""),
                                   "warmup_steps": args.warmup, "timed_steps": args.steps,
                                   "evidence": args.evidence or "as installed", "variants": rows})
-    print_table([r for r in rows if "step_ms" in r],
-                ["variant", "step_ms", "tokens_per_s", "x_eager", "peak_gib", "loss_minus_eager",
-                 "grad_rel_err_max"])
-    for r in rows:
-        if "served" in r:
-            print(r["variant"], {op: s["backend"] for op, s in r["served"].items()})
-        if "skipped" in r:
-            print(r["variant"], r["skipped"])
+
+    measure_variants(
+        variants,
+        lambda v: run_variant(v, cfg, state, ids, targets, dev, dt, args.warmup, args.steps,
+                              profile=dev.startswith("cuda") and v in args.profile.split(",")),
+        lambda v: served(cfg, dev, dt) if v.startswith("kernelgate") else None, record)
     return 0
 
 
