@@ -106,9 +106,15 @@ class EagerHybrid(EagerOps):
 
 
 class FlaGdr:
-    """FLA's chunked gated delta rule, q and k l2-normalised in its kernel."""
+    """FLA's chunked gated delta rule, q and k l2-normalised in its kernel; with --gdr chunked
+    the eager variant's instead (FLA 0.5 / 0.6 refuse its backward on Hopper with triton < 3.7.1:
+    the rest of the step can still be compared)."""
+
+    plain_gdr = False
 
     def gdr(self, q, k, v, g, beta, scale):
+        if self.plain_gdr:
+            return EagerHybrid.gdr(self, q, k, v, g, beta, scale)
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
         return chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=True)[0]
 
@@ -202,12 +208,14 @@ class HybridModel(torch.nn.Module):
         return ops.loss(x.reshape(B * S, -1), self.lm_head.weight, targets.reshape(-1))
 
 
-def make_ops(variant):
+def make_ops(variant, gdr="fla"):
     table = {"eager": EagerHybrid, "compile": EagerHybrid, "fla_liger": FlaLigerHybrid,
              "kernelgate": KernelgateHybrid}
     if variant not in table:
         raise SystemExit(f"--variants: unknown variant '{variant}' ({', '.join(table)})")
-    return table[variant]()
+    ops = table[variant]()
+    ops.plain_gdr = gdr == "chunked"
+    return ops
 
 
 def served(cfg, dev, dt):
@@ -235,12 +243,17 @@ def served(cfg, dev, dt):
     from kernelgate.fla import explain_causal_conv1d
     out["causal_conv1d (kernelgate.fla)"] = {"reason": explain_causal_conv1d(t(B, S, Dg), t(Dg, cfg["conv"]),
                                                                              activation="silu")}
-    out["gated_delta_rule"] = {"backend": "fla", "reason": "kernelgate has no gated_delta_rule op yet"}
+    out["gated_delta_rule"] = {"backend": "fla or chunked (--gdr)",
+                               "reason": "kernelgate has no gated_delta_rule op yet"}
     return out
 
 
 def main() -> int:
-    args = step_arguments("eager,fla_liger,kernelgate,compile").parse_args()
+    ap = step_arguments("eager,fla_liger,kernelgate,compile")
+    ap.add_argument("--gdr", default="fla", choices=["fla", "chunked"],
+                    help="the gated delta rule of fla_liger and kernelgate: FLA's, or the eager "
+                         "variant's chunked one (where FLA refuses its backward)")
+    args = ap.parse_args()
     cfg = TINY if args.tiny else FULL
     dev = args.device
     dt = getattr(torch, args.dtype or ("bfloat16" if dev.startswith("cuda") else "float32"))
@@ -252,14 +265,15 @@ def main() -> int:
 
     def record(rows):
         if args.out:
-            write_json(args.out, {**env, "model": cfg, "dtype": str(dt).replace("torch.", ""),
-                                  "warmup_steps": args.warmup, "timed_steps": args.steps, "variants": rows})
+            write_json(args.out, {**env, "model": cfg, "gdr": args.gdr,
+                                  "dtype": str(dt).replace("torch.", ""), "warmup_steps": args.warmup,
+                                  "timed_steps": args.steps, "variants": rows})
 
     measure_variants(
         variants,
         lambda v: run_variant(v, cfg, state, ids, targets, dev, dt, args.warmup, args.steps,
                               profile=dev.startswith("cuda") and v in args.profile.split(","),
-                              build=lambda v: HybridModel(cfg, make_ops(v))),
+                              build=lambda v: HybridModel(cfg, make_ops(v, args.gdr))),
         lambda v: served(cfg, dev, dt) if v == "kernelgate" else None, record,
         peers=("compile", "fla_liger"))
     return 0
