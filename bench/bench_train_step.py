@@ -305,12 +305,14 @@ def measure_variants(variants, run, served, record, peers=("compile", "liger")):
             r, grads = run(v)
         except ImportError as e:
             rows.append({"variant": v, "skipped": f"not importable: {e}"})
+            record(rows)
             continue
         except Exception as e:
             if v == "eager":
                 raise
             rows.append({"variant": v, "error": f"{type(e).__name__}: {e}"[:2000]})
             print(v, "failed:", rows[-1]["error"][:300])
+            record(rows)
             continue
         if v == "eager":
             ref, ref_loss = grads, r["loss"]
