@@ -97,12 +97,17 @@ def eager_conv(x, w):
     return F.silu(y[..., : x.shape[1]]).transpose(1, 2)
 
 
+def eager_gdr(q, k, v, g, beta, scale):
+    """The gated delta rule as plain PyTorch code: q and k l2-normalised, then chunked_gdr."""
+    return chunked_gdr(F.normalize(q, dim=-1), F.normalize(k, dim=-1), v, g, beta, scale)
+
+
 class EagerHybrid(EagerOps):
     def conv(self, x, w):
         return eager_conv(x, w)
 
     def gdr(self, q, k, v, g, beta, scale):
-        return chunked_gdr(F.normalize(q, dim=-1), F.normalize(k, dim=-1), v, g, beta, scale)
+        return eager_gdr(q, k, v, g, beta, scale)
 
 
 class FlaGdr:
@@ -114,7 +119,7 @@ class FlaGdr:
 
     def gdr(self, q, k, v, g, beta, scale):
         if self.plain_gdr:
-            return EagerHybrid.gdr(self, q, k, v, g, beta, scale)
+            return eager_gdr(q, k, v, g, beta, scale)
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
         return chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=True)[0]
 
