@@ -44,6 +44,7 @@ def _liger():
 
 def _fla():
     from fla.modules.activations.ops import swiglu
+    from fla.modules.causal_conv1d import causal_conv1d
     from fla.modules.norm.layernorm import layer_norm, rms_norm
 
     rows = B * S
@@ -53,6 +54,8 @@ def _fla():
         ("layer_norm", "fla"): (lambda: (_t(rows, 2048), _t(2048), _t(2048), 1e-5),
                                 lambda x, w, b, eps: layer_norm(x, w, b, eps=eps)),
         ("swiglu", "fla"): (lambda: (_t(rows, 5632), _t(rows, 5632)), swiglu),
+        ("causal_conv1d", "fla"): (lambda: (_t(B, 4 * S, 2048), _t(2048, 4), None, "silu"),
+                                   lambda x, w, b, a: causal_conv1d(x, w, b, activation=a)[0]),
     }
 
 

@@ -14,7 +14,6 @@ OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 source scripts/gpu_env.sh
-export LD_LIBRARY_PATH="$PREFIX/lib:${LD_LIBRARY_PATH:-}"
 status=0
 
 STEPS=${KG_STEPS:-build ctest tests demo benchmarks dispatch}

@@ -1,5 +1,7 @@
 # Sourced by the GPU scripts: the build environment of a GPU machine.
 PREFIX=${KG_PREFIX:-$PWD/.carry/prefix}
+# The prefix's shared libraries (SQLite, Google Benchmark) where the machine has none.
+export LD_LIBRARY_PATH="$PREFIX/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-16} PYTHONUNBUFFERED=1
 [ -d /usr/local/cuda/bin ] && export PATH="/usr/local/cuda/bin:$PATH"
 # The system compiler where there is one: the H200 machine's default g++ is a wrapper toolchain

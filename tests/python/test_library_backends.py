@@ -469,7 +469,7 @@ KERNELS = {
     ("linear_cross_entropy", "liger"): "liger_cross_entropy_kernel",
     ("linear_cross_entropy", "liger_fp32_accum"): "liger_cross_entropy_kernel",
     ("rms_norm", "fla"): "layer_norm_fwd_kernel", ("layer_norm", "fla"): "layer_norm_fwd_kernel",
-    ("swiglu", "fla"): "swiglu_fwd_kernel",
+    ("swiglu", "fla"): "swiglu_fwd_kernel", ("causal_conv1d", "fla"): "causal_conv1d_fwd_kernel",
     ("causal_conv1d", "kernel_fun"): "cconv_fwd_strip",
 }
 

@@ -76,6 +76,7 @@ BACKENDS: List[LibraryBackend] = [
     LibraryBackend("fla", "rms_norm", "fla", "rms_norm_fwd", "rms_norm_bwd", max_row_bytes=65536),
     LibraryBackend("fla", "layer_norm", "fla", "layer_norm_fwd", "layer_norm_bwd", max_row_bytes=65536),
     LibraryBackend("fla", "swiglu", "fla", "swiglu_fwd", "swiglu_bwd"),
+    LibraryBackend("fla", "causal_conv1d", "fla", "causal_conv1d_fwd", "causal_conv1d_bwd"),
     # kernel-fun's short conv: the KDA layer's contract (silu, no bias, width <= 4, 16-bit).
     LibraryBackend("kernel_fun", "causal_conv1d", "kernel_fun", "causal_conv1d_fwd", "causal_conv1d_bwd",
                    dtypes=(torch.float16, torch.bfloat16), variants={"activation": ["silu"]},

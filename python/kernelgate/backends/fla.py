@@ -1,12 +1,16 @@
-"""flash-linear-attention (fla-core) as kernelgate backends: rms_norm, layer_norm and swiglu from
-FLA's forward and backward functions, doing what FLA's autograd Functions around them do (its
-input_guard: contiguous inputs, the inputs' device current) and no more. FLA never writes over
-its inputs here. Our op's saved state is its contract's (mean, rstd): FLA saves the same.
+"""flash-linear-attention (fla-core) as kernelgate backends: rms_norm, layer_norm, swiglu and
+causal_conv1d from FLA's forward and backward functions, doing what FLA's autograd Functions
+around them do (its input_guard: contiguous inputs, the inputs' device current; its conv reads x
+and dy through their strides) and no more. FLA never writes over its inputs here. Our op's saved
+state is its contract's (mean, rstd): FLA saves the same; the conv saves only its inputs.
 """
 
 import torch
 from fla.modules.activations.ops import swiglu_fwd as _swiglu_fwd
 from fla.modules.activations.ops import swiglu_fwdbwd as _swiglu_fwdbwd
+from fla.modules.causal_conv1d.ops import _has_non_standard_layout
+from fla.modules.causal_conv1d.ops import causal_conv1d_bwd as _conv_bwd
+from fla.modules.causal_conv1d.ops import causal_conv1d_fwd as _conv_fwd
 from fla.modules.norm.layernorm import layer_norm_bwd as _norm_bwd
 from fla.modules.norm.layernorm import layer_norm_fwd as _norm_fwd
 
@@ -54,3 +58,23 @@ def swiglu_fwd(gate, up):
 def swiglu_bwd(dc, gate, up):
     with torch.cuda.device(gate.device):
         return _swiglu_fwdbwd(gate, up, dc)
+
+
+def _contiguous(t):
+    return None if t is None else t.contiguous()
+
+
+def causal_conv1d_fwd(x, weight, bias, activation):
+    with torch.cuda.device(x.device):
+        y, _ = _conv_fwd(x=x, weight=weight.contiguous(), bias=_contiguous(bias), residual=None,
+                         activation=None if activation == "none" else activation,
+                         layout_fallback=_has_non_standard_layout(x))
+    return y
+
+
+def causal_conv1d_bwd(dy, x, weight, bias, activation):
+    with torch.cuda.device(x.device):
+        dx, dw, db, _, _ = _conv_bwd(x=x, dy=dy, dht=None, weight=weight.contiguous(), bias=_contiguous(bias),
+                                     residual=None, activation=None if activation == "none" else activation,
+                                     layout_fallback=_has_non_standard_layout(x))
+    return dx, dw, db
