@@ -13,6 +13,10 @@ variant, the same weights and the same batch. Variants:
   kernelgate          kg.add_rms_norm, kg.rms_norm, kg.rope, kg.swiglu, kg.linear_cross_entropy,
                       with the evidence as installed (the shipped evidence, no user store)
   kernelgate_compile  torch.compile of the kernelgate model
+  compile_hook        torch.compile of the eager model with kernelgate's compile hook
+                      (kernelgate.compile.options(): its subgraphs that match kernelgate ops become
+                      those ops where evidence ranks a kernelgate kernel); the rewrites go into
+                      the JSON
 
 Per variant: step time (CUDA events, warm-up excluded, median), tokens/s, peak memory of the
 step, and agreement with eager (loss, and the relative error of every parameter's gradient).
@@ -156,14 +160,24 @@ class Model(torch.nn.Module):
 
 
 def make_ops(variant):
-    if variant in ("eager", "compile"):
+    if variant in ("eager", "compile", "compile_hook"):
         return EagerOps()
     if variant in ("kernelgate", "kernelgate_compile"):
         return KernelgateOps()
     if variant == "liger":
         return LigerOps()
     raise SystemExit(f"--variants: unknown variant '{variant}' (eager, compile, liger, kernelgate, "
-                     "kernelgate_compile)")
+                     "kernelgate_compile, compile_hook)")
+
+
+def hook_rewrites(variant):
+    """For compile_hook: what kernelgate's compile hook rewrote and what it left to Inductor."""
+    if variant != "compile_hook":
+        return None
+    import kernelgate.compile
+
+    s = kernelgate.compile.stats()
+    return {"compile hook": {"reason": f"rewritten {s['rewritten'] or 'nothing'}", **s}}
 
 
 def step_calls(cfg, dev, dt):
@@ -223,7 +237,12 @@ def run_variant(variant, cfg, state, ids, targets, dev, dt, warmup, steps, profi
     model = (build or (lambda v: Model(cfg, make_ops(v))))(variant).to(dev, dt)
     model.load_state_dict(state)
     step_fn = model
-    if variant.endswith("compile"):
+    if variant == "compile_hook":
+        import kernelgate.compile
+
+        kernelgate.compile.stats(reset=True)
+        step_fn = torch.compile(model, options=kernelgate.compile.options())
+    elif variant.endswith("compile"):
         step_fn = torch.compile(model)
     cuda = dev.startswith("cuda")
 
@@ -375,7 +394,7 @@ def variants_of(args):
 
 
 def main() -> int:
-    ap = step_arguments("eager,kernelgate,liger,compile,kernelgate_compile")
+    ap = step_arguments("eager,kernelgate,liger,compile,kernelgate_compile,compile_hook")
     ap.add_argument("--evidence", action="append", default=[],
                     help="use these stores as the shipped evidence instead of the package's "
                          "(e.g. a sweep not yet shipped); default: as installed")
@@ -401,7 +420,7 @@ def main() -> int:
         variants,
         lambda v: run_variant(v, cfg, state, ids, targets, dev, dt, args.warmup, args.steps,
                               profile=dev.startswith("cuda") and v in args.profile.split(",")),
-        lambda v: served(cfg, dev, dt) if v.startswith("kernelgate") else None, record)
+        lambda v: served(cfg, dev, dt) if v.startswith("kernelgate") else hook_rewrites(v), record)
     return 0
 
 

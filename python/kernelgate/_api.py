@@ -63,6 +63,19 @@ def _meta(value):
     return value
 
 
+def kernel_serves(decision: dict) -> Optional[str]:
+    """From an explanation (``_C.explain``'s dict): None when the call gets a kernel rather than
+    a stand-in — a backend is forced, or evidence ranks first one that is neither the
+    plain-PyTorch fallback nor the reference; otherwise why not. The drop-in modules and the
+    compile hook leave a call to the code it replaces where it would get only a stand-in."""
+    reason, backend = decision["reason"], decision["backend"]
+    if reason.startswith("forced"):
+        return None
+    if reason.startswith("ranked first by policy") and backend not in ("eager", "reference"):
+        return None
+    return f"no evidence ranks a kernelgate kernel for this call ({decision['key']}): {backend}, {reason}"
+
+
 def explain(op: str, *args, device: Optional[str] = None, **kwargs) -> Explanation:
     """The decision the dispatcher makes for `op(*args, **kwargs)`, without running it.
 

@@ -21,6 +21,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import _C
+from ._api import kernel_serves
 
 log = logging.getLogger("kernelgate")
 
@@ -45,18 +46,6 @@ def _log_once(reason: str) -> None:
         log.info("kernelgate.fla: to FLA: %s", reason)
 
 
-def _why(d: dict) -> Optional[str]:
-    """From an explanation: None when kernelgate should serve (a backend forced, or ranked first
-    by evidence and not the plain-PyTorch fallback or the reference: those the caller did not
-    ask for in place of FLA's kernel); otherwise why not."""
-    reason, backend = d["reason"], d["backend"]
-    if reason.startswith("forced"):
-        return None
-    if reason.startswith("ranked first by policy") and backend not in ("eager", "reference"):
-        return None
-    return f"no evidence ranks a kernelgate kernel for this call ({d['key']}): {backend}, {reason}"
-
-
 def _call_key(op: str, tensors, strings, grad: bool, aligned: bool) -> tuple:
     metas = tuple(None if t is None else (tuple(t.shape), tuple(t.stride()), t.dtype, str(t.device),
                                           0 if aligned else t.data_ptr() % 16)
@@ -72,11 +61,11 @@ def _traced_decision(key: tuple) -> Optional[str]:
     tensors = [None if m is None else torch.empty_strided(m[0], m[1], dtype=m[2], device="meta")
                for m in metas]
     device = next(m[3] for m in metas if m is not None)
-    return _why(_C.explain(op, tensors, grad, dict(strings), device))
+    return kernel_serves(_C.explain(op, tensors, grad, dict(strings), device))
 
 
 def _routed_by_evidence(op: str, tensors, strings) -> Optional[str]:
-    """None when kernelgate should serve this call (see _why); otherwise why not. Eagerly:
+    """None when kernelgate should serve this call (see kernel_serves); otherwise why not. Eagerly:
     cached per dispatch-relevant description of the call and the policy's generation."""
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
     if torch.compiler.is_compiling():
@@ -85,7 +74,7 @@ def _routed_by_evidence(op: str, tensors, strings) -> Optional[str]:
     hit = _served_cache.get(key, _MISS)
     if hit is not _MISS:
         return hit
-    why = _why(_C.explain(op, list(tensors), grad, strings, None))
+    why = kernel_serves(_C.explain(op, list(tensors), grad, strings, None))
     if len(_served_cache) > 4096:
         _served_cache.clear()
     _served_cache[key] = why

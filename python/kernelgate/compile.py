@@ -1,0 +1,368 @@
+"""The compile hook: under ``torch.compile``, unmodified model code gets kernelgate's kernels.
+
+    import kernelgate.compile
+    kernelgate.compile.enable()            # every torch.compile (Inductor) from here on
+    model = torch.compile(model)
+
+    # or for one compile only:
+    model = torch.compile(model, options=kernelgate.compile.options())
+
+A pass over Inductor's joint forward+backward graph (and over the forward graph of inference)
+finds subgraphs that compute what a kernelgate op computes and replaces them with a call of the
+op, routed by the dispatcher as usual; the backward of the replaced subgraph becomes the op's
+backward. It runs after Inductor's own joint-graph passes (``joint_custom_post_pass``), on ATen
+graphs after decomposition, so every spelling that decomposes to the same ATen graph matches
+(``F.rms_norm``; Hugging Face's ``LlamaRMSNorm`` and ``Qwen3RMSNorm``, with the float32 upcast or,
+in a float32 model, without). Graph breaks cannot change: Dynamo has finished with the graph.
+
+What it rewrites (``patterns()`` lists each with its forms):
+
+* rms_norm over the last dim — the Hugging Face form ``w * (x.float() * rsqrt(mean(x^2) + eps)).to(x.dtype)``
+  (16-bit x and w; in a float32 model the same without the casts) and ``F.rms_norm(x, (H,), w, eps)``;
+* add_rms_norm — a residual add whose sum such a norm reads: ``h = x + r`` then either norm, the
+  sum used after (the next residual) or not (a model's last norm);
+* layer_norm over the last dim with weight and bias (``F.layer_norm``, ``nn.LayerNorm``);
+* swiglu ``F.silu(g) * u`` and geglu ``F.gelu(g, approximate="tanh" | "none") * u``, g and u of one
+  shape and dtype.
+
+A subgraph is replaced only where the replacement computes the same thing within the oracle rule:
+the pattern, traced again at the match's shapes, dtypes and eps, must match node for node with
+every constant equal (the exponent 2, the reduction over the last dim, the casts' dtypes, the
+gelu constants; Inductor's check of a replacement), no intermediate may be used outside the
+subgraph, and the tensors must be a call the op accepts, of one dtype, with a result of the
+input's shape and dtype (no broadcast, no type promotion). kernelgate's ops round once where
+the eager code rounds to the input dtype in between (Hugging Face's norms round the normalised x
+before the weight multiply): results differ by that rounding, toward the float64 answer.
+
+Where a call would not get one of kernelgate's kernels — no evidence ranks one first for its
+region on this GPU, so the dispatcher would serve its plain-PyTorch fallback — Inductor's own
+code is faster than that fallback, and the subgraph is left to Inductor (mode ``"evidence"``, the
+default). Mode ``"always"`` rewrites wherever the op accepts the call (to test a pattern, or with
+a backend forced through ``kg.use``). ``stats()`` counts what was rewritten and why a match was
+left alone.
+
+Not matched (left to Inductor): in a float32 model, a norm of a tensor that something else also
+reads (the residual stream): autograd accumulates that tensor's gradients into the norm's own
+backward sum, which the pattern does not have (16-bit models keep them apart with their casts);
+a norm whose weight or input needs no gradient (the patterns are traced with both).
+"""
+
+import collections
+import functools
+import logging
+import threading
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch._inductor.config as inductor_config
+from torch._inductor import pattern_matcher as pm
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+from . import _C
+from ._api import kernel_serves
+
+log = logging.getLogger("kernelgate")
+
+MODES = ("evidence", "always")
+# A scalar argument of a pattern (eps) is traced with this value, which the matcher then treats
+# as a wildcard: exact in float32 and bfloat16, so a decomposition that rounds it keeps it.
+_EPS = 2.0 ** -17
+
+_lock = threading.Lock()
+_stats = {"rewritten": collections.Counter(), "left": collections.Counter()}
+_mode = {"value": "evidence"}
+
+
+class _Form:
+    """One way of writing an op: the search function, its replacement, the dtypes it is traced
+    for, the tensor arguments (in the op's order) and the op's string arguments."""
+
+    def __init__(self, op: str, name: str, search: Callable, replace: Callable, args: Sequence[str],
+                 dtype: torch.dtype, shapes: Sequence[Sequence[int]], strings: Optional[Dict[str, str]] = None,
+                 eps: bool = False):
+        self.op, self.name, self.search, self.replace = op, name, search, replace
+        self.args, self.dtype, self.shapes, self.strings, self.eps = list(args), dtype, shapes, strings or {}, eps
+
+
+def _hf_rms(x, w, eps):
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return w * h.to(x.dtype)
+
+
+def _plain_rms(x, w, eps):
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _f_rms(x, w, eps):
+    return torch.nn.functional.rms_norm(x, (x.shape[-1],), w, eps)
+
+
+def _rms(x, w, eps):
+    return torch.ops.kernelgate.rms_norm(x, w, eps)
+
+
+def _add_hf_rms(x, r, w, eps):
+    h = x + r
+    return _hf_rms(h, w, eps), h
+
+
+def _add_plain_rms(x, r, w, eps):
+    h = x + r
+    return _plain_rms(h, w, eps), h
+
+
+def _add_f_rms(x, r, w, eps):
+    h = x + r
+    return _f_rms(h, w, eps), h
+
+
+def _add_rms(x, r, w, eps):
+    y, h = torch.ops.kernelgate.add_rms_norm(x, r, w, eps)
+    return y, h
+
+
+def _norm_only(search):
+    """The form whose sum has no other use (a model's last norm): only the normalised output."""
+    def f(x, r, w, eps):
+        return search(x, r, w, eps)[0]
+    return f
+
+
+def _add_rms_norm_only(x, r, w, eps):
+    return torch.ops.kernelgate.add_rms_norm(x, r, w, eps)[0]
+
+
+def _f_layer_norm(x, w, b, eps):
+    return torch.nn.functional.layer_norm(x, (x.shape[-1],), w, b, eps)
+
+
+def _layer_norm(x, w, b, eps):
+    return torch.ops.kernelgate.layer_norm(x, w, b, eps)
+
+
+def _silu_mul(g, u):
+    return torch.nn.functional.silu(g) * u
+
+
+def _swiglu(g, u):
+    return torch.ops.kernelgate.swiglu(g, u)
+
+
+def _gelu_tanh_mul(g, u):
+    return torch.nn.functional.gelu(g, approximate="tanh") * u
+
+
+def _geglu_tanh(g, u):
+    return torch.ops.kernelgate.geglu(g, u, "tanh")
+
+
+def _gelu_mul(g, u):
+    return torch.nn.functional.gelu(g) * u
+
+
+def _geglu_none(g, u):
+    return torch.ops.kernelgate.geglu(g, u, "none")
+
+
+def _forms() -> List[_Form]:
+    rows, hidden = (8, 64), (64,)
+    out = []
+    for dt in (torch.bfloat16, torch.float32):
+        # In a float32 model the Hugging Face norm's casts are no-ops and vanish from the graph.
+        hf = _hf_rms if dt != torch.float32 else _plain_rms
+        add_hf = _add_hf_rms if dt != torch.float32 else _add_plain_rms
+        hf_name = "hugging face" if dt != torch.float32 else "hugging face (float32)"
+        # A residual add feeding a norm first: its pattern holds the rms_norm pattern, and the
+        # matcher takes the first registered pattern that matches.
+        for search, spelled in ((add_hf, hf_name), (_add_f_rms, "F.rms_norm")):
+            out += [
+                _Form("add_rms_norm", f"x + residual, then {spelled}", search, _add_rms, ("x", "r", "w"), dt,
+                      (rows, rows, hidden), eps=True),
+                _Form("add_rms_norm", f"x + residual, then {spelled} (the sum not used after)", _norm_only(search),
+                      _add_rms_norm_only, ("x", "r", "w"), dt, (rows, rows, hidden), eps=True),
+            ]
+        out += [
+            _Form("rms_norm", hf_name, hf, _rms,
+                  ("x", "w"), dt, (rows, hidden), eps=True),
+            _Form("rms_norm", "F.rms_norm", _f_rms, _rms, ("x", "w"), dt, (rows, hidden), eps=True),
+            _Form("layer_norm", "F.layer_norm", _f_layer_norm, _layer_norm, ("x", "w", "b"), dt,
+                  (rows, hidden, hidden), eps=True),
+            _Form("swiglu", "F.silu(g) * u", _silu_mul, _swiglu, ("g", "u"), dt, (rows, rows)),
+            _Form("geglu", "F.gelu(g, approximate='tanh') * u", _gelu_tanh_mul, _geglu_tanh, ("g", "u"), dt,
+                  (rows, rows), strings={"approximate": "tanh"}),
+            _Form("geglu", "F.gelu(g) * u", _gelu_mul, _geglu_none, ("g", "u"), dt, (rows, rows),
+                  strings={"approximate": "none"}),
+        ]
+    return out
+
+
+def patterns() -> List[dict]:
+    """The op, form and traced dtype family of every pattern the pass looks for."""
+    return [{"op": f.op, "form": f.name, "dtypes": "float32" if f.dtype == torch.float32 else "16-bit"}
+            for f in _forms()]
+
+
+# ---- matching ---------------------------------------------------------------------------------
+
+def _val(node):
+    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+
+
+def _examples(form: _Form, grad: bool) -> list:
+    return [torch.randn(*s, dtype=form.dtype, requires_grad=grad) for s in form.shapes]
+
+
+def _meta_of(t: torch.Tensor) -> Optional[torch.Tensor]:
+    """A meta tensor of a graph value's shape, strides and dtype (hints for symbolic sizes)."""
+    try:
+        shape = [int(s) if not isinstance(s, torch.SymInt) else s.node.hint for s in t.shape]
+        stride = [int(s) if not isinstance(s, torch.SymInt) else s.node.hint for s in t.stride()]
+    except Exception:  # noqa: BLE001 (a size without a hint)
+        return None
+    if any(v is None for v in shape + stride):
+        return None
+    return torch.empty_strided(shape, stride, dtype=t.dtype, device="meta")
+
+
+def _check(form_index: int, grad: bool, match: pm.Match) -> bool:
+    form = _forms()[form_index]
+    why = _refusal(form, grad, match)
+    with _lock:
+        if why is None:
+            _stats["rewritten"][f"{form.op}: {form.name}"] += 1
+        else:
+            _stats["left"][f"{form.op}: {form.name}: {why}"] += 1
+    if why is not None:
+        log.debug("kernelgate.compile: left to Inductor: %s (%s): %s", form.op, form.name, why)
+    return why is None
+
+
+def _refusal(form: _Form, grad: bool, match: pm.Match) -> Optional[str]:
+    tensors = [_val(match.kwargs.get(a)) for a in form.args]
+    if any(not isinstance(t, torch.Tensor) for t in tensors):
+        return "an input is not a tensor"
+    x = tensors[0]
+    if any(t.dtype != x.dtype for t in tensors):
+        return f"dtypes {[str(t.dtype) for t in tensors]} (the op takes one dtype for all)"
+    if (form.dtype == torch.float32) != (x.dtype == torch.float32) or not x.dtype.is_floating_point:
+        return f"dtype {x.dtype} (this form is for {'float32' if form.dtype == torch.float32 else '16-bit'} inputs)"
+    if x.dtype == torch.float64:
+        return "float64 (kernelgate's ops take float32, float16 and bfloat16)"
+    if any(t.device != x.device for t in tensors):
+        return "tensors on more than one device"
+    outputs = match.output_nodes()
+    out = _val(outputs[0])
+    if out is None or out.dtype != x.dtype or tuple(out.shape) != tuple(x.shape):
+        return "its result's dtype or shape differs from the op's (a broadcast or a type promotion)"
+    metas = [_meta_of(t) for t in tensors]
+    if any(m is None for m in metas):
+        return "symbolic sizes without a hint"
+    try:
+        d = _C.explain(form.op, metas, grad, dict(form.strings), str(x.device))
+    except RuntimeError as e:
+        return f"the op refuses the call: {e}"
+    if _mode["value"] == "evidence":
+        return kernel_serves(d)
+    return None
+
+
+class _Pass(CustomGraphPass):
+    """Inductor's joint_custom_post_pass: kernelgate's patterns over the joint (or inference)
+    graph; then another custom pass the user had installed, if any."""
+
+    def __init__(self, then: Optional[Callable] = None):
+        self.then = then
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        n = _pattern_pass().apply(graph)
+        if n:
+            pm.stable_topological_sort(graph)
+            graph.lint()
+        if self.then is not None:
+            self.then(graph)
+
+    def uuid(self):
+        then = self.then.uuid() if isinstance(self.then, CustomGraphPass) else repr(self.then)
+        return (get_hash_for_files((__file__,)), _mode["value"], _C.generation(), then)
+
+
+def _forward_only(fn, args):
+    """The forward graph with a decomposition's in-place op on an intermediate (F.rms_norm's
+    ``add_``) made functional, as Inductor's functionalized inference graphs have it."""
+    gm = pm.fwd_only(fn, args)
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
+            continue
+        name = n.target.overloadpacket.__name__
+        first = n.args[0] if n.args else None
+        if (name.endswith("_") and not name.endswith("__") and isinstance(first, torch.fx.Node)
+                and first.op != "placeholder" and len(first.users) == 1):
+            n.target = getattr(getattr(torch.ops.aten, name[:-1]), n.target._overloadname)
+    gm.recompile()
+    return gm
+
+
+@functools.lru_cache(maxsize=None)
+def _pattern_pass() -> pm.PatternMatcherPass:
+    """Every form traced twice: as a joint forward+backward graph (training, both inputs
+    requiring grad) and as a forward graph (inference). Traced once per process, at the first
+    compile that runs the pass."""
+    passes = pm.PatternMatcherPass(pass_name="kernelgate")
+    for i, form in enumerate(_forms()):
+        # The matcher names a pattern's inputs after the search function's parameters: x, w,
+        # b, g, u and eps.
+        for grad, trace in ((True, pm.joint_fwd_bwd), (False, _forward_only)):
+            pm.register_replacement(form.search, form.replace, _examples(form, grad), trace, passes,
+                                    extra_check=functools.partial(_check, i, grad),
+                                    scalar_workaround={"eps": _EPS} if form.eps else None)
+    return passes
+
+
+# ---- the interface ----------------------------------------------------------------------------
+
+def options(mode: str = "evidence") -> dict:
+    """Options for one ``torch.compile(..., options=...)``: kernelgate's pass as Inductor's
+    joint_custom_post_pass."""
+    _set_mode(mode)
+    return {"joint_custom_post_pass": _Pass(_installed_other())}
+
+
+def enable(mode: str = "evidence") -> None:
+    """Every Inductor compile from here on runs kernelgate's pass (after a joint_custom_post_pass
+    installed before, which it keeps)."""
+    _set_mode(mode)
+    inductor_config.joint_custom_post_pass = _Pass(_installed_other())
+
+
+def disable() -> None:
+    """Removes kernelgate's pass (a pass it had kept stays installed)."""
+    current = inductor_config.joint_custom_post_pass
+    if isinstance(current, _Pass):
+        inductor_config.joint_custom_post_pass = current.then
+
+
+def enabled() -> bool:
+    return isinstance(inductor_config.joint_custom_post_pass, _Pass)
+
+
+def stats(reset: bool = False) -> dict:
+    """{"rewritten": {"op: form": count}, "left": {"op: form: why": count}} since the last reset:
+    one count per match (a training graph's match covers forward and backward)."""
+    with _lock:
+        out = {k: dict(v) for k, v in _stats.items()}
+        if reset:
+            for v in _stats.values():
+                v.clear()
+    return out
+
+
+def _installed_other():
+    current = inductor_config.joint_custom_post_pass
+    return current.then if isinstance(current, _Pass) else current
+
+
+def _set_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"kernelgate.compile: mode must be one of {', '.join(MODES)}, got {mode!r}")
+    _mode["value"] = mode

@@ -1,0 +1,279 @@
+"""The compile hook (kernelgate.compile) on the CPU: each pattern fires in training and inference
+graphs and computes what the code it replaced computes (against float64, no worse than twice the
+eager code's error); it does not fire where it must not; the evidence rule; the interface; and
+the Hugging Face Llama and Qwen3 modeling code, unmodified, with unchanged graph breaks."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch._inductor.config as inductor_config
+
+import kernelgate as kg
+import kernelgate.compile as kc
+
+H = 64
+
+
+@pytest.fixture
+def hook():
+    """A fresh Dynamo, no FX graph cache (a cached graph skips every pass), the hook in mode
+    "always" (the CPU has no evidence), removed after."""
+    with inductor_config.patch(fx_graph_cache=False):
+        torch._dynamo.reset()
+        kc.stats(reset=True)
+        kc.enable("always")
+        try:
+            yield
+        finally:
+            kc.disable()
+            torch._dynamo.reset()
+
+
+def hf_rms_norm(x, w, eps=1e-6):
+    """Hugging Face's LlamaRMSNorm / Qwen3RMSNorm forward."""
+    input_dtype = x.dtype
+    h = x.to(torch.float32)
+    variance = h.pow(2).mean(-1, keepdim=True)
+    h = h * torch.rsqrt(variance + eps)
+    return w * h.to(input_dtype)
+
+
+FORMS = {
+    "rms_norm: hugging face": lambda x, w, b: hf_rms_norm(x, w, 1e-5),
+    "rms_norm: F.rms_norm": lambda x, w, b: F.rms_norm(x, (H,), w, 1e-6),
+    # the residual r = x * 0.5: a tensor of x's shape; the sum used after, and not
+    "add_rms_norm: x + residual, then hugging face":
+        lambda x, w, b: (lambda h: hf_rms_norm(h, w, 1e-5) + h)(x + x * 0.5),
+    "add_rms_norm: x + residual, then hugging face (the sum not used after)":
+        lambda x, w, b: hf_rms_norm(x + x * 0.5, w, 1e-5),
+    "add_rms_norm: x + residual, then F.rms_norm":
+        lambda x, w, b: (lambda h: F.rms_norm(h, (H,), w, 1e-6) * h)(x + x * 0.5),
+    "add_rms_norm: x + residual, then F.rms_norm (the sum not used after)":
+        lambda x, w, b: F.rms_norm(x + x * 0.5, (H,), w, 1e-6),
+    "layer_norm: F.layer_norm": lambda x, w, b: F.layer_norm(x, (H,), w, b, 1e-5),
+    "swiglu: F.silu(g) * u": lambda x, w, b: F.silu(x) * (x * 0.5 + w),
+    "geglu: F.gelu(g, approximate='tanh') * u": lambda x, w, b: F.gelu(x, approximate="tanh") * (x - w),
+    "geglu: F.gelu(g) * u": lambda x, w, b: F.gelu(x) * (x + b),
+}
+
+
+def _inputs(dtype, grad, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(3, 5, H, generator=g).to(dtype)
+    w = (1 + 0.1 * torch.randn(H, generator=g)).to(dtype)
+    b = (0.1 * torch.randn(H, generator=g)).to(dtype)
+    return [t.requires_grad_(grad) for t in (x, w, b)]
+
+
+def _run(fn, inputs, grad):
+    """fn's output and the inputs' gradients (for a fixed random cotangent)."""
+    out = fn(*inputs)
+    if not grad:
+        return [out.detach()]
+    cot = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
+    grads = torch.autograd.grad(out, inputs, cot, allow_unused=True)
+    return [out.detach()] + [g for g in grads if g is not None]
+
+
+def _rel(a, ref):
+    return float((a.double() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def check_against_float64(fn, compiled, dtype, grad):
+    """The compiled result no further from float64 than twice the eager code's distance (or
+    float32 rounding)."""
+    inputs = _inputs(dtype, grad)
+    with torch.set_grad_enabled(grad):
+        eager = _run(fn, inputs, grad)
+        got = _run(compiled, _inputs(dtype, grad), grad)
+        exact = _run(fn, [t.detach().double().requires_grad_(grad) for t in inputs], grad)
+    assert len(got) == len(eager) == len(exact)
+    floor = 1e-6 if dtype == torch.float32 else 4e-3
+    for i, (g, e, ref) in enumerate(zip(got, eager, exact)):
+        assert g.dtype == e.dtype and g.shape == e.shape, (i, g.dtype, e.dtype, g.shape, e.shape)
+        assert _rel(g, ref) <= max(2 * _rel(e, ref), floor), (i, _rel(g, ref), _rel(e, ref))
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["training", "inference"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("form", list(FORMS))
+def test_a_pattern_fires_and_computes_what_it_replaced(hook, form, dtype, grad):
+    fn = FORMS[form]
+    compiled = torch.compile(fn)
+    check_against_float64(fn, compiled, dtype, grad)
+    rewritten = kc.stats()["rewritten"]
+    # In a float32 model the Hugging Face norm's casts vanish: a form of its own.
+    key = form.replace("hugging face", "hugging face (float32)") if dtype == torch.float32 else form
+    # An inference graph has no tangents: the form whose sum has other users matches both.
+    accepted = {key, key.replace(" (the sum not used after)", "")} if not grad else {key}
+    assert rewritten and set(rewritten) <= accepted, kc.stats()
+
+
+def _eps_outside(x, w, b):  # another eps placement
+    h = x.float()
+    return w * (h * (torch.rsqrt(h.pow(2).mean(-1, keepdim=True)) + 1e-6)).to(x.dtype)
+
+
+def _variance_used(x, w, b):  # an intermediate used outside the subgraph
+    h = x.float()
+    var = h.pow(2).mean(-1, keepdim=True)
+    return w * (h * torch.rsqrt(var + 1e-6)).to(x.dtype) + var.to(x.dtype)
+
+
+def _float32_weight(x, w, b):  # another dtype flow: the weight multiply promotes to float32
+    return hf_rms_norm(x, w.float())
+
+
+def _other_dim(x, w, b):  # the mean over another dim
+    h = x.float()
+    return w * (h * torch.rsqrt(h.pow(2).mean(0, keepdim=True) + 1e-6)).to(x.dtype)
+
+
+def _cube(x, w, b):  # another exponent
+    h = x.float()
+    return w * (h * torch.rsqrt(h.pow(3).abs().mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+
+def _broadcast_up(x, w, b):  # swiglu with u broadcast over the rows
+    return F.silu(x) * w
+
+
+def _gelu_of_other(x, w, b):  # gelu's result times something of another shape and dtype
+    return F.gelu(x, approximate="tanh") * w.float()
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["training", "inference"])
+@pytest.mark.parametrize("fn", [_eps_outside, _variance_used, _float32_weight, _other_dim, _cube, _broadcast_up,
+                                _gelu_of_other], ids=lambda f: f.__name__)
+def test_a_pattern_does_not_fire_where_it_must_not(hook, fn, grad):
+    check_against_float64(fn, torch.compile(fn), torch.bfloat16, grad)
+    assert kc.stats()["rewritten"] == {}, kc.stats()
+
+
+def test_without_evidence_for_a_kernel_inductor_keeps_the_subgraph():
+    """Mode "evidence": on the CPU no evidence ranks a kernelgate kernel first, so the dispatcher
+    would serve a stand-in, slower than Inductor's code: the match is left, with the reason. A
+    forced backend is the user's choice: then it is rewritten."""
+    fn = FORMS["rms_norm: hugging face"]
+    with inductor_config.patch(fx_graph_cache=False):
+        try:
+            torch._dynamo.reset()
+            kc.stats(reset=True)
+            kc.enable()
+            torch.compile(fn)(*_inputs(torch.bfloat16, True))
+            s = kc.stats(reset=True)
+            assert s["rewritten"] == {}, s
+            assert any("no evidence ranks a kernelgate kernel" in why for why in s["left"]), s
+            torch._dynamo.reset()
+            with kg.use(force={"rms_norm": "kernelgate_cpu"}):
+                check_against_float64(fn, torch.compile(fn), torch.bfloat16, True)
+            assert kc.stats()["rewritten"] == {"rms_norm: hugging face": 1}, kc.stats()
+        finally:
+            kc.disable()
+            torch._dynamo.reset()
+
+
+def test_enable_disable_options_and_a_pass_installed_before():
+    seen = []
+
+    def user_pass(graph):
+        seen.append(len(graph.nodes))
+
+    with inductor_config.patch(fx_graph_cache=False, joint_custom_post_pass=user_pass):
+        assert not kc.enabled()
+        kc.enable("always")
+        assert kc.enabled() and inductor_config.joint_custom_post_pass.then is user_pass
+        kc.enable("always")  # twice: still one pass, the user's kept once
+        assert inductor_config.joint_custom_post_pass.then is user_pass
+        torch._dynamo.reset()
+        torch.compile(FORMS["swiglu: F.silu(g) * u"])(*_inputs(torch.float32, False))
+        assert seen, "the pass installed before kernelgate's was not run"
+        kc.disable()
+        assert inductor_config.joint_custom_post_pass is user_pass
+        opts = kc.options("always")
+        assert opts["joint_custom_post_pass"].then is user_pass
+    with inductor_config.patch(fx_graph_cache=False):
+        torch._dynamo.reset()
+        kc.stats(reset=True)
+        fn = FORMS["geglu: F.gelu(g) * u"]
+        compiled = torch.compile(fn, options=kc.options("always"))
+        check_against_float64(fn, compiled, torch.bfloat16, True)
+        assert kc.stats()["rewritten"] == {"geglu: F.gelu(g) * u": 1}
+        assert not kc.enabled()
+    with pytest.raises(ValueError, match="mode must be one of evidence, always, got 'sometimes'"):
+        kc.enable("sometimes")
+    assert {p["op"] for p in kc.patterns()} == {"rms_norm", "add_rms_norm", "layer_norm", "swiglu", "geglu"}
+
+
+def _tiny(name, dtype):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    config, model = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[name]
+    torch.manual_seed(0)
+    cfg = config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=128, max_position_embeddings=64)
+    return model(cfg).to(dtype)
+
+
+def _step(model, ids, compiled=None):
+    model.zero_grad(set_to_none=True)
+    loss = (model if compiled is None else compiled)(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def _graphs(fn):
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    out = fn()
+    return out, counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+
+
+# (model, dtype): what the hook rewrites in its training graph. In a float32 model a norm of a
+# tensor that something else also reads has its input's gradients accumulated by autograd into the
+# norm's own backward sum, which its pattern does not have: those norms stay Inductor's (the
+# 16-bit models' casts keep the sums apart).
+_ADD = "add_rms_norm: x + residual, then hugging face"
+HF_REWRITES = {
+    # 2 layers: the first layer's input norm (of the embeddings), 3 norms of a residual sum used
+    # after, the final norm (its sum is not), 2 MLPs; Qwen3 adds q and k norms over head_dim.
+    ("llama", torch.bfloat16): {"rms_norm: hugging face": 1, _ADD: 3, f"{_ADD} (the sum not used after)": 1,
+                                "swiglu: F.silu(g) * u": 2},
+    ("qwen3", torch.bfloat16): {"rms_norm: hugging face": 5, _ADD: 3, f"{_ADD} (the sum not used after)": 1,
+                                "swiglu: F.silu(g) * u": 2},
+    # float32: the first layer's input norm reads the embeddings, which the residual also reads
+    ("llama", torch.float32): {"add_rms_norm: x + residual, then hugging face (float32)": 3,
+                               "add_rms_norm: x + residual, then hugging face (float32) (the sum not used after)": 1,
+                               "swiglu: F.silu(g) * u": 2},
+}
+
+
+@pytest.mark.parametrize("name,dtype", list(HF_REWRITES), ids=lambda v: str(v).replace("torch.", ""))
+def test_hugging_face_models_train_with_the_hook(name, dtype):
+    """The transformers modeling code, unmodified, compiled with and without the hook: the same
+    graphs and graph breaks, the expected rewrites, and loss and gradients that agree with the
+    uncompiled model's as closely as Inductor alone does (to twice its difference, or float32
+    rounding)."""
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    model = _tiny(name, dtype)
+    loss0, grads0 = _step(model, ids)
+    with inductor_config.patch(fx_graph_cache=False):
+        try:
+            torch._dynamo.reset()
+            (loss_i, grads_i), graphs_i, breaks_i = _graphs(lambda: _step(model, ids, torch.compile(model)))
+            torch._dynamo.reset()
+            kc.stats(reset=True)
+            kc.enable("always")
+            (loss_k, grads_k), graphs_k, breaks_k = _graphs(lambda: _step(model, ids, torch.compile(model)))
+        finally:
+            kc.disable()
+            torch._dynamo.reset()
+    assert kc.stats()["rewritten"] == HF_REWRITES[name, dtype], kc.stats()
+    assert (graphs_k, breaks_k) == (graphs_i, breaks_i)
+    floor = 1e-5 if dtype == torch.float32 else 2e-2
+    assert abs(float(loss_k) - float(loss0)) <= max(2 * abs(float(loss_i) - float(loss0)), floor * float(loss0))
+    for n, g0 in grads0.items():
+        d_k = float((grads_k[n].float() - g0.float()).norm() / g0.float().norm().clamp_min(1e-30))
+        d_i = float((grads_i[n].float() - g0.float()).norm() / g0.float().norm().clamp_min(1e-30))
+        assert d_k <= max(2 * d_i, floor), (n, d_k, d_i)
