@@ -70,7 +70,7 @@ _EPS = 2.0 ** -17
 
 _lock = threading.Lock()
 _stats = {"rewritten": collections.Counter(), "left": collections.Counter()}
-_mode = {"value": "evidence"}
+_active = threading.local()  # .mode: the mode of the pass now running on this thread
 
 
 class _Form:
@@ -118,8 +118,7 @@ def _add_f_rms(x, r, w, eps):
 
 
 def _add_rms(x, r, w, eps):
-    y, h = torch.ops.kernelgate.add_rms_norm(x, r, w, eps)
-    return y, h
+    return torch.ops.kernelgate.add_rms_norm(x, r, w, eps)
 
 
 def _norm_only(search):
@@ -225,8 +224,7 @@ def _meta_of(t: torch.Tensor) -> Optional[torch.Tensor]:
     return torch.empty_strided(shape, stride, dtype=t.dtype, device="meta")
 
 
-def _check(form_index: int, grad: bool, match: pm.Match) -> bool:
-    form = _forms()[form_index]
+def _check(form: _Form, grad: bool, match: pm.Match) -> bool:
     why = _refusal(form, grad, match)
     with _lock:
         if why is None:
@@ -262,19 +260,22 @@ def _refusal(form: _Form, grad: bool, match: pm.Match) -> Optional[str]:
         d = _C.explain(form.op, metas, grad, dict(form.strings), str(x.device))
     except RuntimeError as e:
         return f"the op refuses the call: {e}"
-    if _mode["value"] == "evidence":
+    if _active.mode == "evidence":
         return kernel_serves(d)
     return None
 
 
 class _Pass(CustomGraphPass):
     """Inductor's joint_custom_post_pass: kernelgate's patterns over the joint (or inference)
-    graph; then another custom pass the user had installed, if any."""
+    graph, in its own mode; then another custom pass the user had installed, if any."""
 
-    def __init__(self, then: Optional[Callable] = None):
-        self.then = then
+    def __init__(self, mode: str, then: Optional[Callable] = None):
+        if mode not in MODES:
+            raise ValueError(f"kernelgate.compile: mode must be one of {', '.join(MODES)}, got {mode!r}")
+        self.mode, self.then = mode, then
 
     def __call__(self, graph: torch.fx.Graph) -> None:
+        _active.mode = self.mode
         n = _pattern_pass().apply(graph)
         if n:
             pm.stable_topological_sort(graph)
@@ -284,7 +285,7 @@ class _Pass(CustomGraphPass):
 
     def uuid(self):
         then = self.then.uuid() if isinstance(self.then, CustomGraphPass) else repr(self.then)
-        return (get_hash_for_files((__file__,)), _mode["value"], _C.generation(), then)
+        return (get_hash_for_files((__file__,)), self.mode, _C.generation(), then)
 
 
 def _forward_only(fn, args):
@@ -309,12 +310,12 @@ def _pattern_pass() -> pm.PatternMatcherPass:
     requiring grad) and as a forward graph (inference). Traced once per process, at the first
     compile that runs the pass."""
     passes = pm.PatternMatcherPass(pass_name="kernelgate")
-    for i, form in enumerate(_forms()):
+    for form in _forms():
         # The matcher names a pattern's inputs after the search function's parameters: x, w,
         # b, g, u and eps.
         for grad, trace in ((True, pm.joint_fwd_bwd), (False, _forward_only)):
             pm.register_replacement(form.search, form.replace, _examples(form, grad), trace, passes,
-                                    extra_check=functools.partial(_check, i, grad),
+                                    extra_check=functools.partial(_check, form, grad),
                                     scalar_workaround={"eps": _EPS} if form.eps else None)
     return passes
 
@@ -324,15 +325,13 @@ def _pattern_pass() -> pm.PatternMatcherPass:
 def options(mode: str = "evidence") -> dict:
     """Options for one ``torch.compile(..., options=...)``: kernelgate's pass as Inductor's
     joint_custom_post_pass."""
-    _set_mode(mode)
-    return {"joint_custom_post_pass": _Pass(_installed_other())}
+    return {"joint_custom_post_pass": _Pass(mode, _installed_other())}
 
 
 def enable(mode: str = "evidence") -> None:
     """Every Inductor compile from here on runs kernelgate's pass (after a joint_custom_post_pass
     installed before, which it keeps)."""
-    _set_mode(mode)
-    inductor_config.joint_custom_post_pass = _Pass(_installed_other())
+    inductor_config.joint_custom_post_pass = _Pass(mode, _installed_other())
 
 
 def disable() -> None:
@@ -360,9 +359,3 @@ def stats(reset: bool = False) -> dict:
 def _installed_other():
     current = inductor_config.joint_custom_post_pass
     return current.then if isinstance(current, _Pass) else current
-
-
-def _set_mode(mode: str) -> None:
-    if mode not in MODES:
-        raise ValueError(f"kernelgate.compile: mode must be one of {', '.join(MODES)}, got {mode!r}")
-    _mode["value"] = mode

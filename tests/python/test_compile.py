@@ -200,6 +200,16 @@ def test_enable_disable_options_and_a_pass_installed_before():
         check_against_float64(fn, compiled, torch.bfloat16, True)
         assert kc.stats()["rewritten"] == {"geglu: F.gelu(g) * u": 1}
         assert not kc.enabled()
+        # A compile's mode is its own: the global pass's mode does not reach it, nor it the global's.
+        kc.enable()
+        try:
+            torch._dynamo.reset()
+            kc.stats(reset=True)
+            check_against_float64(fn, torch.compile(fn, options=kc.options("always")), torch.bfloat16, True)
+            assert kc.stats()["rewritten"] == {"geglu: F.gelu(g) * u": 1}, kc.stats()
+            assert inductor_config.joint_custom_post_pass.mode == "evidence"
+        finally:
+            kc.disable()
     with pytest.raises(ValueError, match="mode must be one of evidence, always, got 'sometimes'"):
         kc.enable("sometimes")
     assert {p["op"] for p in kc.patterns()} == {"rms_norm", "add_rms_norm", "layer_norm", "swiglu", "geglu"}
