@@ -415,7 +415,7 @@ def test_cli_ops_explain_json(capsys):
 
 # Ops whose H200 evidence ships (python/kernelgate/evidence/h200-<op>.sqlite.xz), and those not
 # swept on the H200 yet: they run the fallback there until they are (docs/evidence.md).
-H200_NOT_YET = {"geglu", "layer_norm", "qk_norm_rope"}
+H200_NOT_YET: set = set()
 # Each built-in op's backends as the package registers them (before any test loads a plugin).
 BUILTIN_BACKENDS = {o["name"]: {b["name"] for b in o["backends"] if b["kind"] != "python"}
                     for o in kg.ops() if not o["defined_in_python"]}
@@ -433,8 +433,6 @@ def test_every_op_not_listed_as_not_yet_ships_h200_evidence():
     assert set(_shipped_h200()) == ops - H200_NOT_YET
 
 
-@pytest.mark.xfail(strict=True, reason="geglu, layer_norm and qk_norm_rope are not swept on the H200 "
-                   "yet: when they ship, empty H200_NOT_YET")
 def test_every_op_ships_h200_evidence():
     assert not H200_NOT_YET
 
