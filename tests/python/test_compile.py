@@ -225,9 +225,25 @@ def _kernelgate_kernels(fn):
     return {e.name for e in prof.events() if "kernelgate" in e.name}
 
 
+# On the H200 (torch 2.11) no kernelgate kernel ran for F.rms_norm and F.layer_norm in a CUDA
+# training graph (bench/results/h200/gpu_tests.json, session_2026_12_02_c), where the CPU's graph
+# is rewritten: the likely cause, not established yet, is that the CUDA joint graph keeps them as
+# fused ATen nodes rather than the decomposition the patterns match. Strict: a fix makes it pass.
+_GPU_TRAINING_UNMATCHED = {"rms_norm: F.rms_norm", "add_rms_norm: x + residual, then F.rms_norm",
+                           "add_rms_norm: x + residual, then F.rms_norm (the sum not used after)",
+                           "layer_norm: F.layer_norm"}
+
+
+def _gpu_cases():
+    for form in FORMS:
+        for grad in (True, False):
+            marks = ([pytest.mark.xfail(strict=True, reason="a fused ATen norm node in CUDA training graphs")]
+                     if grad and form in _GPU_TRAINING_UNMATCHED else [])
+            yield pytest.param(form, grad, marks=marks, id=f"{form}-{'training' if grad else 'inference'}")
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("grad", [True, False], ids=["training", "inference"])
-@pytest.mark.parametrize("form", list(FORMS))
+@pytest.mark.parametrize("form,grad", list(_gpu_cases()))
 def test_a_pattern_fires_on_the_gpu_and_runs_a_kernelgate_kernel(hook, form, grad):
     """On a GPU, in bf16: the rewrite fires in the CUDA graph Inductor compiles, the replacement
     calls kernelgate's CUDA kernel (counted by the dispatcher's per-backend call counts), and the
