@@ -246,7 +246,7 @@ def _gpu_cases():
 @pytest.mark.parametrize("form,grad", list(_gpu_cases()))
 def test_a_pattern_fires_on_the_gpu_and_runs_a_kernelgate_kernel(hook, form, grad):
     """On a GPU, in bf16: the rewrite fires in the CUDA graph Inductor compiles, the replacement
-    calls kernelgate's CUDA kernel (counted by the dispatcher's per-backend call counts), and the
+    calls kernelgate's CUDA kernel (seen by torch.profiler: _kernelgate_kernels), and the
     result is as close to float64 as the eager code's (twice its error)."""
     fn = FORMS[form]
     op = form.split(":")[0]
