@@ -138,6 +138,8 @@ def linear_cross_entropy(
 ) -> torch.Tensor:
     """cross_entropy(hidden @ weight.T + bias, target, ...) computed in chunks of rows, never
     holding the float32 logits: hidden [rows, hidden], weight [classes, hidden], bias [classes].
+    The loss is float32 whatever hidden's dtype, as ``F.cross_entropy(logits.float(), ...)``
+    gives it.
 
     With gradients on and reduction "mean" or "sum", the forward also computes the gradients
     (hidden, weight, bias) and the backward scales them; backward through the same graph a

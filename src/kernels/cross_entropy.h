@@ -30,7 +30,7 @@ enum class CeReduction : int { kMean = 0, kSum = 1, kNone = 2 };
 // using the lse just computed, or lse[r] from an earlier stats pass when !compute_stats (lse is
 // required whenever grad is given).
 // grad may equal logits (in place, same row stride): each element is read before it is written
-// by the same thread. dloss has the logits dtype; n_valid is a float32 device scalar. Never
+// by the same thread. dloss and n_valid are float32 on the device. Never
 // synchronizes. Returns 0 on success or a CUDA error code (cudaErrorInvalidValue for bad
 // arguments: negative sizes, null pointers that are required, classes < 1 with rows > 0).
 struct CeRowsArgs {
@@ -40,7 +40,7 @@ struct CeRowsArgs {
   float* lse = nullptr;
   const void* logits = nullptr;
   const void* target = nullptr;  // int64 or int32, contiguous [rows]
-  const void* dloss = nullptr;
+  const float* dloss = nullptr;
   const float* n_valid = nullptr;
   int64_t rows = 0;
   int64_t classes = 0;
@@ -64,13 +64,13 @@ int cross_entropy_reduce_cuda(void* out, float* n_valid_out, const float* row_lo
                               int64_t ignore_index, CeReduction reduction, DType dtype,
                               void* stream);
 
-// data[i] *= scale[0] in place (float32 math, rounded to dtype: what ATen's mul_ by a 0-dim
-// tensor gives), for n elements of a contiguous array; both in `dtype`, on the device. When
+// data[i] *= scale[0] in place (float32 math, rounded to dtype once), for n elements of a
+// contiguous array in `dtype`; scale is a float32 device scalar (the loss's cotangent). When
 // scale[0] is exactly 1 (the usual unit cotangent of a loss) nothing is written: every block
 // returns after one load, without a host sync. linear_cross_entropy's backward applies the
 // incoming cotangent to the gradients its forward computed this way. The grid is sized from
 // sm_count (8 blocks of 256 threads per SM).
-int scale_unless_one_cuda(void* data, int64_t n, DType dtype, const void* scale, int sm_count,
+int scale_unless_one_cuda(void* data, int64_t n, DType dtype, const float* scale, int sm_count,
                           void* stream);
 
 }  // namespace kernelgate::kernels

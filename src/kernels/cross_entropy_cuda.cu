@@ -248,7 +248,7 @@ __global__ void __launch_bounds__(kMaxThreads, kStats&& kGrad ? 1 : 2) ce_rows(c
       if (in_range) {
         scale = 1.f;
         if (a.dloss != nullptr)
-          scale = to_float(static_cast<const T*>(a.dloss)[a.dloss_per_row ? row : 0]);
+          scale = a.dloss[a.dloss_per_row ? row : 0];
         if (a.n_valid != nullptr) scale = scale / *a.n_valid;
       }
       const float fill = ignored ? 0.f : NAN;
@@ -349,9 +349,9 @@ constexpr int kScaleThreads = 256;
 // 16-byte vectors over [0, nvec * kN), scalars over the rest; a grid-stride loop.
 template <class T>
 __global__ void __launch_bounds__(kScaleThreads)
-    scale_unless_one(T* __restrict__ data, int64_t n, const T* __restrict__ scale) {
+    scale_unless_one(T* __restrict__ data, int64_t n, const float* __restrict__ scale) {
   constexpr int kN = Vec<T>::kN;
-  const float f = to_float(*scale);
+  const float f = *scale;
   if (f == 1.f) return;
   const bool vec = (reinterpret_cast<uintptr_t>(data) & 15) == 0;
   const int64_t nvec = vec ? n / kN : 0;
@@ -370,14 +370,14 @@ __global__ void __launch_bounds__(kScaleThreads)
 }
 
 template <class T>
-int launch_scale(void* data, int64_t n, const void* scale, int sm_count, cudaStream_t s) {
+int launch_scale(void* data, int64_t n, const float* scale, int sm_count, cudaStream_t s) {
   constexpr int kN = Vec<T>::kN;
   // 8 blocks per SM of 256 threads: enough loads in flight for the bandwidth.
   const int64_t want = (n / kN + kScaleThreads - 1) / kScaleThreads;
   const unsigned grid =
       unsigned(std::max<int64_t>(1, std::min<int64_t>(want, int64_t(std::max(1, sm_count)) * 8)));
   scale_unless_one<T>
-      <<<grid, kScaleThreads, 0, s>>>(static_cast<T*>(data), n, static_cast<const T*>(scale));
+      <<<grid, kScaleThreads, 0, s>>>(static_cast<T*>(data), n, scale);
   return int(cudaGetLastError());
 }
 
@@ -439,7 +439,7 @@ int cross_entropy_rows_cuda(const CeRowsArgs& a, void* stream) {
   return int(cudaErrorInvalidValue);
 }
 
-int scale_unless_one_cuda(void* data, int64_t n, DType dtype, const void* scale, int sm_count,
+int scale_unless_one_cuda(void* data, int64_t n, DType dtype, const float* scale, int sm_count,
                           void* stream) {
   if (n < 0 || (n > 0 && (data == nullptr || scale == nullptr))) return int(cudaErrorInvalidValue);
   if (n == 0) return 0;

@@ -160,7 +160,7 @@ void cuda_chunk_step(const ChunkStep& s) {
                         s.lse.is_contiguous());
   CudaContext ctx(s.logits);
   kernels::CeRowsArgs a;
-  Tensor dloss = s.dloss.defined() ? s.dloss.contiguous() : Tensor();
+  Tensor dloss = s.dloss.defined() ? s.dloss.to(at::kFloat).contiguous() : Tensor();
   if (s.grad_out.defined()) {
     TORCH_INTERNAL_ASSERT(s.grad_out.stride(1) == 1);
     a.grad = s.grad_out.data_ptr();
@@ -170,7 +170,7 @@ void cuda_chunk_step(const ChunkStep& s) {
   a.lse = s.lse.data_ptr<float>();
   a.logits = s.logits.const_data_ptr();
   a.target = s.target.const_data_ptr();
-  a.dloss = dloss.defined() ? dloss.const_data_ptr() : nullptr;
+  a.dloss = dloss.defined() ? dloss.const_data_ptr<float>() : nullptr;
   a.dloss_per_row = dloss.defined() && dloss.dim() == 1;
   a.n_valid = s.n_valid.defined() ? s.n_valid.const_data_ptr<float>() : nullptr;
   a.rows = s.logits.size(0);

@@ -9,6 +9,10 @@
 // The step is ATen (reference, kernelgate_cpu) or our CUDA kernel (kernelgate_cuda); the
 // reference runs the loop as one chunk, i.e. with materialised logits.
 //
+// The loss is float32 whatever the input dtype, as F.cross_entropy(logits.float(), ...) gives
+// it (what Hugging Face's models and Liger compute): a bfloat16 loss would move a logged loss
+// curve in steps of 1/16 at 12. Its cotangent is float32 too, applied before any rounding.
+//
 // Training with reduction "mean" / "sum" (bfloat16, float32): the forward computes the
 // gradients for a unit cotangent, and the backward scales them, in place, by the incoming
 // scalar (on CUDA not at all when that scalar is exactly 1: _linear_cross_entropy_scale_).
@@ -219,7 +223,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> loop_fwd(const Args& a, GradM
   const bool grad = a.red != CeReduction::kNone && need.any();
   LoopResult r = chunk_loop(a, plan, chunk_for(a, plan), /*stats=*/true, grad, need, Tensor(),
                             Tensor(), n_valid);
-  Tensor loss = ce::reduce_rows(r.row_loss, a.red, n_valid).to(a.hidden.scalar_type());
+  Tensor loss = ce::reduce_rows(r.row_loss, a.red, n_valid);  // float32, whatever the input dtype
   return {loss, r.lse, r.gh, r.gw, r.gb};
 }
 
@@ -289,8 +293,8 @@ Three backward(const Tensor& dloss, const Tensor& hidden, const Tensor& weight,
   TORCH_CHECK(none ? (dloss.dim() == 1 && dloss.size(0) == rows) : dloss.dim() == 0, kOp,
               " backward: grad must have the loss's shape (", none ? "[rows]" : "[]", "), got ",
               dloss.sizes());
-  TORCH_CHECK(dloss.scalar_type() == hidden.scalar_type(), kOp, " backward: grad must have dtype ",
-              hidden.scalar_type(), ", got ", dloss.scalar_type());
+  TORCH_CHECK(dloss.scalar_type() == at::kFloat, kOp,
+              " backward: grad must have the loss's dtype (float32), got ", dloss.scalar_type());
   TORCH_CHECK(lse.dim() == 1 && lse.size(0) == rows && lse.scalar_type() == at::kFloat, kOp,
               " backward: lse must be float32 [rows]");
   return B(dloss, a, lse, mask_of(need));
@@ -311,8 +315,8 @@ Five meta(const Tensor& hidden, const Tensor& weight, const Tensor&, const OptTe
   auto grad = [&](bool wanted, at::IntArrayRef sizes) {
     return !none && wanted ? at::empty(sizes, hidden.options()) : Tensor();
   };
-  return {none ? at::empty({hidden.size(0)}, hidden.options()) : at::empty({}, hidden.options()),
-          at::empty({hidden.size(0)}, hidden.options().dtype(at::kFloat)),
+  const auto f32 = hidden.options().dtype(at::kFloat);
+  return {none ? at::empty({hidden.size(0)}, f32) : at::empty({}, f32), at::empty({hidden.size(0)}, f32),
           grad(m.hidden, hidden.sizes()), grad(m.weight, weight.sizes()),
           grad(m.bias && bias.has_value(), {weight.size(0)})};
 }
@@ -324,7 +328,9 @@ Tensor lce_reference_op(const Tensor& hidden, const Tensor& weight, const Tensor
   ce::check_scalars(kOp, "weight.size(0)", hidden.size(0), weight.size(0), eps);
   ce::check_targets_on_cpu(kOp, target, weight.size(0), ignore_index);
   Tensor logits = bias ? at::addmm(*bias, hidden, weight.t()) : at::mm(hidden, weight.t());
-  return ce::reference_loss(logits, target, ignore_index, eps, red);
+  // Logits rounded to the input dtype, the loss from them in float32 (float64 for the oracle).
+  return ce::reference_loss(logits.to(at::promote_types(logits.scalar_type(), at::kFloat)), target,
+                            ignore_index, eps, red);
 }
 
 int64_t set_chunk_rows(int64_t rows) {
@@ -370,14 +376,15 @@ void scale_cpu(const Tensor& grad, const Tensor& cotangent) {
 void scale_cuda(const Tensor& grad, const Tensor& cotangent) {
   if (grad.numel() == 0) return;
   if (!(grad.is_contiguous() && cotangent.numel() == 1 && cotangent.device() == grad.device() &&
-        cotangent.scalar_type() == grad.scalar_type())) {
+        cotangent.scalar_type() == at::kFloat)) {
     grad.mul_(cotangent);
     return;
   }
   CudaContext ctx(grad);
   check_cuda(kernels::scale_unless_one_cuda(grad.data_ptr(), grad.numel(),
                                             kernel_dtype(grad.scalar_type()),
-                                            cotangent.const_data_ptr(), ctx.sm_count, ctx.stream),
+                                            cotangent.const_data_ptr<float>(), ctx.sm_count,
+                                            ctx.stream),
              "linear_cross_entropy cotangent scaling");
 }
 #endif
@@ -463,11 +470,11 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
 };
 
 // ---- eager: what a user writes without kernelgate,
-// F.cross_entropy(F.linear(hidden, weight, bias).float(), target, ...), the loss in hidden's dtype
+// F.cross_entropy(F.linear(hidden, weight, bias).float(), target, ...), the loss in float32
 Tensor lce_eager(const Tensor& hidden, const Tensor& weight, const Tensor& target,
                  const OptTensor& bias, int64_t ignore_index, double eps,
                  c10::string_view reduction) {
-  return ce::eager_loss(at::linear(hidden, weight, bias), target, ignore_index, eps,
+  return ce::eager_loss(at::linear(hidden, weight, bias).to(at::kFloat), target, ignore_index, eps,
                         ce::parse_reduction(kOp, reduction));
 }
 

@@ -379,15 +379,9 @@ def test_gpu_oracle(op, backend, dtype):
 # Where a reference backend is known to differ from its reference op beyond the rule, and why
 # (keyed by op; a test of the case's fields and the output index). As KNOWN_INCORRECT: xfailed
 # with the reason once everything else agrees, failed if no listed output differs any more.
-KNOWN_REFERENCE_DIFFERENCES = {
-    "linear_cross_entropy": (
-        lambda f, i: (f["dtype"] == "bfloat16" and f["regime"] == "offset" and f["grad"] == "1" and i == 3
-                      and "reduction=none" not in f["strings"]),
-        "for 'mean' and 'sum' in bfloat16 the forward computes the gradients for a unit cotangent and "
-        "the backward scales them by the real one, rounding twice: grad_bias, a sum of near-cancelling "
-        "terms in the offset regime, lands at ~6x the reference op's error for a random cotangent (a "
-        "cotangent of exactly 1, loss.backward(), is not scaled at all)"),
-}
+# None today: linear_cross_entropy's (a bfloat16 cotangent rounded before it scaled the forward's
+# gradients) went with its float32 loss and cotangent.
+KNOWN_REFERENCE_DIFFERENCES = {}
 
 
 def check_reference_backend(op, device):

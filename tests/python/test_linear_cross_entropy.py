@@ -87,9 +87,10 @@ def check(backend, device, dtype, rows, hidden, classes, red="mean", eps=0.0, wi
     need = (need[0], need[1], need[2] and with_bias)
     views = _layouts(layout)
     dshape = (rows,) if red == "none" else ()
-    dloss = torch.randn(dshape, generator=gen, dtype=torch.float64).to(device, dtype)
+    # The loss is float32 whatever the input dtype, and so is its cotangent.
+    dloss = torch.randn(dshape, generator=gen, dtype=torch.float64).to(device, torch.float32)
     if dloss_value is not None:  # a given cotangent (loss.backward() gives exactly 1)
-        dloss = torch.full(dshape, dloss_value, device=device, dtype=dtype)
+        dloss = torch.full(dshape, dloss_value, device=device, dtype=torch.float32)
     poison_cuda_allocator(base[0].device)
     with chunk_rows(chunk):
         got, got_g = _run(backend, base, with_bias, target, eps, red, dloss, need, views)
@@ -102,7 +103,7 @@ def check(backend, device, dtype, rows, hidden, classes, red="mean", eps=0.0, wi
     ld = [x.detach().clone().requires_grad_(n) for x, n in zip(base, need)]
     ay = oracle_op(views[0](ld[0]), views[1](ld[1]), target, ld[2] if with_bias else None, IGNORE, eps, red)
     ag = _grads(ay, ld, need, dloss)
-    assert got.dtype == dtype and got.shape == dshape and got.device == base[0].device
+    assert got.dtype == torch.float32 and got.shape == dshape and got.device == base[0].device
     metrics = {"loss": check_against_oracle("loss", got, ref, oy, dtype)}
     check_against_oracle("loss (reference backend)", ref, ay, oy, dtype)
     for name, g, r, o, a, x in zip(["grad_hidden", "grad_weight", "grad_bias"], got_g, ref_g, og, ag, base):
@@ -307,6 +308,44 @@ def test_default_is_the_plain_code_and_policy_routes():
     assert kg.explain(OP, h, w, t).backend == "kernelgate_cpu"
 
 
+def _cotangent_is_applied_in_float32(device, backend):
+    gen = torch.Generator().manual_seed(3)
+    (h, w, _), t = _inputs(37, 24, 301, torch.bfloat16, device, gen, "normal", 0.2, torch.int64)
+    grads = []
+    for scale in (1.0, 1.0 / 3.0):  # 1/3: a gradient-accumulation step's loss / 3
+        hl = h.clone().requires_grad_()
+        with kg.use(force={OP: backend}):
+            y = kg.linear_cross_entropy(hl, w, t)
+        assert y.dtype == torch.float32
+        (g,) = torch.autograd.grad(y * scale, [hl])
+        grads.append(g)
+    # One rounding, of the float32 product: the cotangent itself is not rounded to bfloat16
+    # first (1/3 in bfloat16 is 0.333984375, a bias of 0.2% on every gradient).
+    want = (grads[0].float() * torch.tensor(1.0 / 3.0, dtype=torch.float32)).bfloat16()
+    assert torch.equal(grads[1], want), (grads[1] - want).abs().max()
+
+
+@pytest.mark.parametrize("backend", ["reference", "kernelgate_cpu"])
+def test_cpu_loss_and_cotangent_are_float32(backend):
+    _cotangent_is_applied_in_float32("cpu", backend)
+
+
+def test_bfloat16_loss_is_float32_as_the_plain_code_gives_it():
+    # Hugging Face's models compute the loss from logits.float(): a bfloat16 loss would move in
+    # steps of 1/16 near 12. Every backend, the plain-code fallback included, returns float32.
+    gen = torch.Generator().manual_seed(5)
+    (h, w, _), t = _inputs(64, 32, 500, torch.bfloat16, "cpu", gen, "normal", 0.1, torch.int64)
+    plain = F.cross_entropy(F.linear(h, w).float(), t, ignore_index=IGNORE)
+    for backend in ["eager", "reference", "kernelgate_cpu", "kernelgate_cpu_narrow_accum"]:
+        with kg.use(force={OP: backend}):
+            y = kg.linear_cross_entropy(h, w, t, ignore_index=IGNORE)
+        assert y.dtype == torch.float32, backend
+        if backend == "eager":
+            assert torch.equal(y, plain)
+        # the same bfloat16 logits, summed in another order: float32 rounding, not bfloat16's
+        torch.testing.assert_close(y, plain, rtol=1e-5, atol=0)
+
+
 def test_chunk_rows_setter_checks():
     with pytest.raises(RuntimeError, match="chunk rows must be >= 0"):
         set_chunk_rows(-1)
@@ -422,6 +461,12 @@ def test_gpu_large_logits_and_precision(dtype):
     check("kernelgate_cuda", "cuda", dtype, 64, 64, 3000, red="none", chunk=16, regime="large")
     m = check("kernelgate_cuda", "cuda", dtype, 2048, 128, 4096, red="mean", chunk=256)  # 8 chunks
     print(f"\n{dtype} 8 chunks on CUDA: grad_weight {m['grad_weight']}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_gpu_loss_and_cotangent_are_float32(backend):
+    _cotangent_is_applied_in_float32("cuda", backend)
 
 
 @pytest.mark.gpu

@@ -133,7 +133,7 @@ def _lce_fwd(hidden, weight, target, bias, ignore_index, label_smoothing, reduct
     loss, _, _, _, gh, gw, gb = _lce.fused_linear_cross_entropy_forward(
         hidden, weight, target, None, bias, ignore_index, 0.0, label_smoothing, reduction, None, False,
         accum_dtype, compute_gradients=grads, weight_requires_grad="weight" in needs_grad)
-    loss = _mean_of_none(loss, target, ignore_index, reduction).to(hidden.dtype)
+    loss = _mean_of_none(loss, target, ignore_index, reduction).float()  # the op's float32 loss
     if not grads:
         return loss
     # The lse is our recomputing backward's, which these backends never reach: a NaN placeholder
