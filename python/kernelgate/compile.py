@@ -208,8 +208,8 @@ def _val(node):
     return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
 
 
-def _examples(form: _Form, grad: bool) -> list:
-    return [torch.randn(*s, dtype=form.dtype, requires_grad=grad) for s in form.shapes]
+def _examples(form: _Form, grad: bool, device: str) -> list:
+    return [torch.randn(*s, dtype=form.dtype, device=device, requires_grad=grad) for s in form.shapes]
 
 
 def _meta_of(t: torch.Tensor) -> Optional[torch.Tensor]:
@@ -307,17 +307,33 @@ def _forward_only(fn, args):
 @functools.lru_cache(maxsize=None)
 def _pattern_pass() -> pm.PatternMatcherPass:
     """Every form traced twice: as a joint forward+backward graph (training, both inputs
-    requiring grad) and as a forward graph (inference). Traced once per process, at the first
-    compile that runs the pass."""
+    requiring grad) and as a forward graph (inference), on the CPU and, where there is one, on a
+    CUDA device: PyTorch decomposes some backwards per device (on CUDA F.rms_norm's, and
+    bfloat16 F.layer_norm's, come out as other ATen graphs than on the CPU), and a pattern
+    matches only graphs like the one it was traced from; a device's trace is registered where
+    it differs from the CPU's. Traced
+    once per process, at the first compile that runs the pass."""
     passes = pm.PatternMatcherPass(pass_name="kernelgate")
+    cuda = torch.cuda.is_available()
     for form in _forms():
         # The matcher names a pattern's inputs after the search function's parameters: x, w,
         # b, g, u and eps.
         for grad, trace in ((True, pm.joint_fwd_bwd), (False, _forward_only)):
-            pm.register_replacement(form.search, form.replace, _examples(form, grad), trace, passes,
-                                    extra_check=functools.partial(_check, form, grad),
-                                    scalar_workaround={"eps": _EPS} if form.eps else None)
+            devices = ["cpu"]
+            if cuda and _ops_traced(form, grad, trace, "cuda") != _ops_traced(form, grad, trace, "cpu"):
+                devices.append("cuda")
+            for device in devices:
+                pm.register_replacement(form.search, form.replace, _examples(form, grad, device), trace,
+                                        passes, extra_check=functools.partial(_check, form, grad),
+                                        scalar_workaround={"eps": _EPS} if form.eps else None)
     return passes
+
+
+def _ops_traced(form: _Form, grad: bool, trace, device: str) -> List[str]:
+    """The ATen ops, in order, of a form's graph as `trace` makes it on `device`."""
+    fn = (lambda *t: form.search(*t, _EPS)) if form.eps else form.search
+    gm = trace(fn, _examples(form, grad, device))
+    return [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
 
 
 # ---- the interface ----------------------------------------------------------------------------
