@@ -13,10 +13,12 @@ tokens, bfloat16. Variants:
               depthwise conv1d, the gated delta rule chunked in plain PyTorch (chunked_gdr below)
   compile     torch.compile of the eager model
   fla_liger   what a researcher hand-picks today: Liger-Kernel's norms, rope, swiglu and fused
-              linear cross entropy, FLA's causal_conv1d and chunk_gated_delta_rule
+              linear cross entropy, FLA's causal_conv1d and chunk_gated_delta_rule (its fused
+              layer form: the gate, beta's sigmoid and the l2 norms in its kernels)
   kernelgate  kernelgate's ops as installed (kg.rms_norm, kg.add_rms_norm, kg.rope, kg.swiglu,
-              kg.linear_cross_entropy), kernelgate.fla.causal_conv1d (the drop-in); the gated
-              delta rule is FLA's (kernelgate has no such op yet: recorded in "served")
+              kg.linear_cross_entropy) and the drop-ins kernelgate.fla.causal_conv1d and
+              kernelgate.fla.chunk_gated_delta_rule (the same fused form), which go to FLA or to
+              kernelgate's ops as the drop-ins decide (recorded in "served")
 
 Per variant: step time (CUDA events, median after warm-up), tokens/s, peak memory, agreement
 with eager (loss, every parameter's gradient), and for kernelgate which backend serves each op.
@@ -102,26 +104,37 @@ def eager_gdr(q, k, v, g, beta, scale):
     return chunked_gdr(F.normalize(q, dim=-1), F.normalize(k, dim=-1), v, g, beta, scale)
 
 
+def eager_layer_gdr(q, k, v, a, b, A_log, dt_bias, scale):
+    """The Gated DeltaNet layer's gates as plain PyTorch code, g = -exp(A_log) * softplus(a +
+    dt_bias) in float32 and beta = sigmoid(b), then eager_gdr."""
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    return eager_gdr(q, k, v, g, torch.sigmoid(b), scale)
+
+
+# FLA's chunk_gated_delta_rule in the layer's fused form (a and b raw; A_log, dt_bias given).
+FUSED = dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, use_gate_in_kernel=True)
+
+
 class EagerHybrid(EagerOps):
     def conv(self, x, w):
         return eager_conv(x, w)
 
-    def gdr(self, q, k, v, g, beta, scale):
-        return eager_gdr(q, k, v, g, beta, scale)
+    def gdr(self, q, k, v, a, b, A_log, dt_bias, scale):
+        return eager_layer_gdr(q, k, v, a, b, A_log, dt_bias, scale)
 
 
 class FlaGdr:
-    """FLA's chunked gated delta rule, q and k l2-normalised in its kernel; with --gdr chunked
-    the eager variant's instead (FLA 0.5 / 0.6 refuse its backward on Hopper with triton < 3.7.1:
-    the rest of the step can still be compared)."""
+    """FLA's chunked gated delta rule in the fused form; with --gdr chunked the eager variant's
+    instead (FLA 0.5 / 0.6 refuse its backward on Hopper with triton < 3.7.1: the rest of the
+    step can still be compared)."""
 
     plain_gdr = False
 
-    def gdr(self, q, k, v, g, beta, scale):
+    def gdr(self, q, k, v, a, b, A_log, dt_bias, scale):
         if self.plain_gdr:
-            return eager_gdr(q, k, v, g, beta, scale)
+            return eager_layer_gdr(q, k, v, a, b, A_log, dt_bias, scale)
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-        return chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=True)[0]
+        return chunk_gated_delta_rule(q, k, v, a, b, scale=scale, A_log=A_log, dt_bias=dt_bias, **FUSED)[0]
 
 
 class FlaLigerHybrid(FlaGdr, LigerOps):
@@ -132,10 +145,16 @@ class FlaLigerHybrid(FlaGdr, LigerOps):
         return causal_conv1d(x, w, activation="silu")[0]
 
 
-class KernelgateHybrid(FlaGdr, KernelgateOps):
+class KernelgateHybrid(KernelgateOps):
+    plain_gdr = False  # the drop-in decides where its calls go, --gdr or not
+
     def conv(self, x, w):
         from kernelgate.fla import causal_conv1d
         return causal_conv1d(x, w, activation="silu")[0]
+
+    def gdr(self, q, k, v, a, b, A_log, dt_bias, scale):
+        from kernelgate.fla import chunk_gated_delta_rule
+        return chunk_gated_delta_rule(q, k, v, a, b, scale=scale, A_log=A_log, dt_bias=dt_bias, **FUSED)[0]
 
 
 class HybridModel(torch.nn.Module):
@@ -181,9 +200,7 @@ class HybridModel(torch.nn.Module):
         q = ops.conv(layer.q(x), layer.q_conv.to(x.dtype)).view(B, S, Hg, Dg)
         k = ops.conv(layer.k(x), layer.k_conv.to(x.dtype)).view(B, S, Hg, Dg)
         v = ops.conv(layer.v(x), layer.v_conv.to(x.dtype)).view(B, S, Hg, Dg)
-        g = -layer.A_log.float().exp() * F.softplus(layer.a(x).float() + layer.dt_bias.float())
-        beta = torch.sigmoid(layer.b(x))
-        o = ops.gdr(q, k, v, g, beta, Dg ** -0.5)
+        o = ops.gdr(q, k, v, layer.a(x), layer.b(x), layer.A_log, layer.dt_bias, Dg ** -0.5)
         o = ops.norm(o, layer.o_norm) * F.silu(layer.gate(x).view(B, S, Hg, Dg))
         return layer.o(o.reshape(B, S, Hg * Dg))
 
@@ -248,16 +265,19 @@ def served(cfg, dev, dt):
     from kernelgate.fla import explain_causal_conv1d
     out["causal_conv1d (kernelgate.fla)"] = {"reason": explain_causal_conv1d(t(B, S, Dg), t(Dg, cfg["conv"]),
                                                                              activation="silu")}
-    out["gated_delta_rule"] = {"backend": "fla or chunked (--gdr)",
-                               "reason": "kernelgate has no gated_delta_rule op yet"}
+    from kernelgate.fla import explain_chunk_gated_delta_rule
+    Hg, Dh = cfg["gdn_heads"], cfg["gdn_dim"]
+    out["gated_delta_rule (kernelgate.fla)"] = {"reason": explain_chunk_gated_delta_rule(
+        t(B, S, Hg, Dh), t(B, S, Hg, Dh), t(B, S, Hg, Dh), t(B, S, Hg), t(B, S, Hg), A_log=t(Hg), dt_bias=t(Hg),
+        scale=Dh ** -0.5, **FUSED)}
     return out
 
 
 def main() -> int:
     ap = step_arguments("eager,fla_liger,kernelgate,compile")
     ap.add_argument("--gdr", default="fla", choices=["fla", "chunked"],
-                    help="the gated delta rule of fla_liger and kernelgate: FLA's, or the eager "
-                         "variant's chunked one (where FLA refuses its backward)")
+                    help="the gated delta rule of fla_liger: FLA's, or the eager variant's chunked "
+                         "one (where FLA refuses its backward); kernelgate's drop-in decides for itself")
     args = ap.parse_args()
     cfg = TINY if args.tiny else FULL
     dev = args.device

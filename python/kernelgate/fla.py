@@ -2,6 +2,7 @@
 same returns.
 
     from kernelgate.fla import causal_conv1d      # for fla.modules.convolution.causal_conv1d
+    from kernelgate.fla import chunk_gated_delta_rule   # for fla.ops.gated_delta_rule's
 
 A call is served by kernelgate only where kernelgate can and evidence says it should: every
 argument is one it implements (a whitelist: FLA's other arguments, set to anything but their
@@ -153,3 +154,126 @@ def explain_causal_conv1d(x, weight=None, bias=None, **kwargs) -> str:
 # causal_conv1d's keyword parameters after bias, with their defaults (FLA's).
 _CONV_DEFAULTS = {n: p.default for n, p in list(inspect.signature(causal_conv1d).parameters.items())[3:]
                   if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD}
+
+
+# ---- chunk_gated_delta_rule -------------------------------------------------------------------
+
+# FLA's chunk_gated_delta_rule parameters, and the keywords it reads from **kwargs: those
+# kernelgate implements (the fused layer form of its gated_delta_rule op, within the checks
+# below), and those that send a call to FLA unless they have their default.
+GDR_HANDLED = ("q", "k", "v", "g", "beta", "scale", "initial_state", "output_final_state",
+               "use_qk_l2norm_in_kernel", "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "state_v_first",
+               "use_gate_in_kernel", "A_log", "dt_bias")
+GDR_FORWARDED = ("cu_seqlens", "cu_seqlens_cpu", "chunk_indices", "cp_context", "chunk_size",
+                 "transpose_state_layout", "head_first", "kwargs")
+_GDR_KEYWORDS = ("use_gate_in_kernel", "A_log", "dt_bias")  # read from FLA's **kwargs
+
+
+def _fla_refuses_gated_backward(device: torch.device) -> bool:
+    """FLA's own guard (fla-core 0.6): its gated chunk backward raises on Hopper with Triton >= 3.4
+    and < 3.7.1, naming a wrong result of chunk_bwd_dqkwg there."""
+    import importlib.metadata
+
+    from .backends import release
+
+    if device.type != "cuda":
+        return False
+    try:
+        v = release(importlib.metadata.version("triton"))
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return torch.cuda.get_device_capability(device) == (9, 0) and (3, 4) <= v < (3, 7, 1)
+
+
+def _gdr_refusal(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                 use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens, cu_seqlens_cpu,
+                 chunk_indices, cp_context, kwargs) -> Optional[str]:
+    forwarded = {"cu_seqlens": cu_seqlens, "cu_seqlens_cpu": cu_seqlens_cpu, "chunk_indices": chunk_indices,
+                 "cp_context": cp_context}
+    for name, value in forwarded.items():
+        if value is not None:
+            return f"{name} is given (kernelgate implements it as None only)"
+    unknown = set(kwargs) - set(_GDR_KEYWORDS)
+    if unknown:
+        return f"arguments kernelgate does not know: {', '.join(sorted(unknown))}"
+    if not (use_qk_l2norm_in_kernel and use_beta_sigmoid_in_kernel and kwargs.get("use_gate_in_kernel")):
+        return ("not the fused layer form (kernelgate implements use_qk_l2norm_in_kernel, "
+                "use_beta_sigmoid_in_kernel and use_gate_in_kernel all True)")
+    if allow_neg_eigval or state_v_first:
+        return "allow_neg_eigval or state_v_first is True (kernelgate implements False only)"
+    A_log, dt_bias = kwargs.get("A_log"), kwargs.get("dt_bias")
+    tensors = (q, k, v, g, beta, A_log, dt_bias, initial_state)
+    if any(t is not None and not isinstance(t, torch.Tensor) for t in tensors) or any(
+            t is None for t in tensors[:6]):
+        return "q, k, v, g, beta and A_log must be tensors (dt_bias and initial_state tensors or None)"
+    if q.dim() != 4 or v.dim() != 4 or v.shape[2] != q.shape[2]:
+        return f"shapes q {list(q.shape)}, v {list(v.shape)} (kernelgate implements [B, T, H, K], [B, T, H, V])"
+    if q.dtype not in _FLOATS or any(t is not None and t.dtype != q.dtype for t in tensors):
+        return "dtypes differ (kernelgate implements one float dtype for every tensor)"
+    if len({t.device for t in tensors if t is not None}) != 1:
+        return "tensors on more than one device"
+    if not isinstance(scale, (int, float, type(None))) or (scale is not None and scale <= 0):
+        return f"scale={scale!r} (kernelgate implements None or a positive number)"
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    if grad and _fla_refuses_gated_backward(q.device):
+        return None  # FLA would raise in the backward; kernelgate's op has one
+    return _routed_by_evidence("gated_delta_rule", tensors, {})
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: Optional[float] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: Optional[torch.LongTensor] = None,
+    cu_seqlens_cpu: Optional[torch.LongTensor] = None,
+    chunk_indices: Optional[torch.LongTensor] = None,
+    cp_context=None,
+    **kwargs,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``fla.ops.gated_delta_rule.chunk_gated_delta_rule``: returns ``(o, final_state)``.
+
+    Served by ``kernelgate.gated_delta_rule`` for FLA's fused layer form (``use_qk_l2norm_in_kernel``,
+    ``use_beta_sigmoid_in_kernel`` and ``use_gate_in_kernel`` with ``A_log`` all given) where evidence
+    ranks a kernel for the call, and, when the call needs gradients, wherever FLA refuses its own
+    backward (Hopper with Triton 3.4 to 3.7.0): there FLA's backward raises, and kernelgate's op
+    (its reference, unless evidence ranks another) computes it. Every other call goes to FLA
+    verbatim."""
+    why = _gdr_refusal(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                       use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens, cu_seqlens_cpu,
+                       chunk_indices, cp_context, kwargs)
+    if why is None:
+        o, state = torch.ops.kernelgate.gated_delta_rule(q, k, v, g, beta, kwargs["A_log"], kwargs.get("dt_bias"),
+                                                         initial_state, 0.0 if scale is None else float(scale))
+        return o, (state if output_final_state else None)
+    _log_once(why)
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gated_delta_rule
+
+    return fla_chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                      output_final_state=output_final_state,
+                                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                                      use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                                      allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first,
+                                      cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                                      chunk_indices=chunk_indices, cp_context=cp_context, **kwargs)
+
+
+def explain_chunk_gated_delta_rule(q, k, v, g, beta, **kwargs) -> str:
+    """Which way ``chunk_gated_delta_rule(q, k, v, g, beta, **kwargs)`` goes: "kernelgate" or "FLA: <why>"."""
+    args = dict(_GDR_DEFAULTS)
+    extra = {n: val for n, val in kwargs.items() if n not in args}
+    args.update({n: val for n, val in kwargs.items() if n in args})
+    why = _gdr_refusal(q, k, v, g, beta, kwargs=extra, **args)
+    return "kernelgate" if why is None else f"FLA: {why}"
+
+
+_GDR_DEFAULTS = {n: p.default for n, p in list(inspect.signature(chunk_gated_delta_rule).parameters.items())[5:]
+                 if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD}

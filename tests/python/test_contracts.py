@@ -313,6 +313,23 @@ def backend_kind(op: str, backend: str) -> str:
     return next(b["kind"] for b in INFO[op]["backends"] if b["name"] == backend)
 
 
+# Where a library refuses calls by raising (a guard of its own), with the words its error has: the
+# run records the refusal (disposition "crashed"), nothing is served wrong; xfailed with the
+# reason once everything else passes.
+def _fla_refuses_gated_backward():
+    from kernelgate.fla import _fla_refuses_gated_backward as refuses
+
+    return ON_GPU and refuses(torch.device("cuda"))
+
+
+KNOWN_REFUSALS = {
+    ("gated_delta_rule", "fla_chunk"): (
+        lambda f: f["grad"] == "1" and _fla_refuses_gated_backward(), "chunk_bwd_dqkwg",
+        "FLA refuses its gated chunk backward on Hopper with Triton 3.4 to 3.7.0 (its own guard: a "
+        "wrong result of chunk_bwd_dqkwg there, it says)"),
+}
+
+
 def check_oracle(op: str, backend: str, sizes: str, dtype: str = "") -> None:
     """Every case of the grid (of one dtype where given) through the oracle."""
     grid, max_elements = GRID[sizes]
@@ -320,6 +337,8 @@ def check_oracle(op: str, backend: str, sizes: str, dtype: str = "") -> None:
     assert made, f"{op}: the {grid} grid made no cases"
     passed, unsupported, failures, known, listed_passes = 0, [], [], [], []
     listed, why = KNOWN_INCORRECT.get((op, backend), (lambda f: False, ""))
+    refused, words, refusal = KNOWN_REFUSALS.get((op, backend), (lambda f: False, "", ""))
+    refusals = []
     if backend_kind(op, backend) == "eager":
         # The op as plain PyTorch code is what the user's program computes without kernelgate:
         # where it is less accurate than the rule, that is recorded (the sweeps rank it out of
@@ -336,6 +355,8 @@ def check_oracle(op: str, backend: str, sizes: str, dtype: str = "") -> None:
                 listed_passes.append(cid)
         elif r["disposition"] == "unsupported" and r["reason"]:
             unsupported.append(f"{cid}: {r['reason']}")
+        elif r["disposition"] == "crashed" and refused(f) and words in r["reason"]:
+            refusals.append(f"{cid}: {r['reason']}")
         else:
             line = f"{cid}: {r['disposition']}: {r['reason'] or '(no reason given)'}"
             (known if listed(f) and r["disposition"] == "incorrect" else failures).append(line)
@@ -345,6 +366,8 @@ def check_oracle(op: str, backend: str, sizes: str, dtype: str = "") -> None:
         f"{backend} on {op}: the KNOWN_INCORRECT entry is gone: {listed_passes}")
     if known:
         pytest.xfail(f"{why} ({len(known)} cases, e.g. {known[0]})")
+    if refusals:
+        pytest.xfail(f"{refusal} ({len(refusals)} cases, e.g. {refusals[0][:300]})")
 
 
 @pytest.mark.parametrize("op,backend", pairs(RUN_DEVICE))

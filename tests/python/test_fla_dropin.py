@@ -177,3 +177,119 @@ def test_gpu_served_call_agrees_with_fla():
     ref = torch.ops.kernelgate._causal_conv1d_reference(x.double(), w.double(), None, "silu")
     err = lambda y: ((y.double() - ref).abs().max() / ref.abs().max()).item()  # noqa: E731
     assert err(ours) < 1e-2 and err(theirs) < 1e-2, (err(ours), err(theirs))
+
+
+# ---- chunk_gated_delta_rule ---------------------------------------------------------------------------
+
+def fla_gdr():
+    return pytest.importorskip("fla.ops.gated_delta_rule").chunk_gated_delta_rule
+
+
+FUSED = {"use_qk_l2norm_in_kernel": True, "use_beta_sigmoid_in_kernel": True, "use_gate_in_kernel": True}
+
+
+def gdr_inputs(device="cpu", dtype=torch.float32, B=2, T=70, H=3, K=16, V=8, requires_grad=False):
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(B, T, H, K), (B, T, H, K), (B, T, H, V), (B, T, H), (B, T, H), (H,), (H,)]
+    q, k, v, g, beta, A_log, dt_bias = [torch.randn(s, generator=gen).to(device, dtype).requires_grad_(requires_grad)
+                                        for s in shapes]
+    return (q, k, v, g, beta), {"A_log": A_log, "dt_bias": dt_bias, **FUSED}
+
+
+def _gdr_kernel(q, k, v, g, beta, A_log, dt_bias, initial_state, scale):
+    return torch.ops.kernelgate._gated_delta_rule_reference(q, k, v, g, beta, A_log, dt_bias, initial_state, scale)
+
+
+def rank_gdr():
+    # as rank(): a CPU backend standing for a kernel ranked by evidence
+    kg.register_backend("gated_delta_rule", "test_dropin_gdr", _gdr_kernel, device="cpu")
+    kg.policy.add_rule("gated_delta_rule", ["test_dropin_gdr"], evidence="test: ranked")
+
+
+def test_gdr_signature_is_flas():
+    ours, theirs = inspect.signature(kfla.chunk_gated_delta_rule), inspect.signature(fla_gdr())
+    assert [(p.name, p.kind, p.default) for p in ours.parameters.values()] == \
+           [(p.name, p.kind, p.default) for p in theirs.parameters.values()]
+
+
+def test_every_fla_gdr_parameter_and_keyword_is_classified():
+    """FLA's parameters and the keywords it reads from **kwargs (kwargs.get / pop / 'x' in kwargs)."""
+    import re
+
+    fn = fla_gdr()
+    names = set(inspect.signature(fn).parameters)
+    names |= set(re.findall(r"""kwargs(?:\.get|\.pop)\(\s*['"](\w+)['"]""", inspect.getsource(fn)))
+    names |= set(re.findall(r"""['"](\w+)['"]\s+in\s+kwargs""", inspect.getsource(fn)))
+    assert {"use_gate_in_kernel", "A_log", "dt_bias", "chunk_size"} <= names  # the scan finds them
+    assert names == set(kfla.GDR_HANDLED) | set(kfla.GDR_FORWARDED), names ^ (set(kfla.GDR_HANDLED) | set(kfla.GDR_FORWARDED))
+    assert not set(kfla.GDR_HANDLED) & set(kfla.GDR_FORWARDED)
+
+
+def test_gdr_without_evidence_goes_to_fla():
+    args, kw = gdr_inputs()
+    why = kfla.explain_chunk_gated_delta_rule(*args, **kw)
+    assert why.startswith("FLA: no evidence ranks a kernelgate kernel for this call (gated_delta_rule cpu"), why
+
+
+@pytest.mark.parametrize("change,why", [
+    ({"use_gate_in_kernel": False}, "not the fused layer form"),
+    ({"use_qk_l2norm_in_kernel": False}, "not the fused layer form"),
+    ({"use_beta_sigmoid_in_kernel": False}, "not the fused layer form"),
+    ({"allow_neg_eigval": True}, "allow_neg_eigval or state_v_first"),
+    ({"state_v_first": True}, "allow_neg_eigval or state_v_first"),
+    ({"cu_seqlens": torch.tensor([0, 70])}, "cu_seqlens is given"),
+    ({"chunk_size": 32}, "arguments kernelgate does not know: chunk_size"),
+    ({"scale": -1.0}, "scale=-1.0"),
+    ({"A_log": None}, "q, k, v, g, beta and A_log must be tensors"),
+])
+def test_gdr_call_kernelgate_does_not_implement_goes_to_fla(change, why):
+    args, kw = gdr_inputs()
+    rank_gdr()
+    assert kfla.explain_chunk_gated_delta_rule(*args, **kw) == "kernelgate"
+    kw.update(change)
+    got = kfla.explain_chunk_gated_delta_rule(*args, **kw)
+    assert got.startswith("FLA: " + why), got
+
+
+def test_gdr_with_evidence_kernelgate_serves_with_flas_return():
+    args, kw = gdr_inputs()
+    rank_gdr()
+    want_o, want_state = kg.gated_delta_rule(*args, kw["A_log"], kw["dt_bias"])
+    o, state = kfla.chunk_gated_delta_rule(*args, **kw)
+    assert state is None and torch.equal(o, want_o)
+    o, state = kfla.chunk_gated_delta_rule(*args, scale=0.25, output_final_state=True, **kw)
+    want_o, want_state = kg.gated_delta_rule(*args, kw["A_log"], kw["dt_bias"], None, 0.25)
+    assert torch.equal(o, want_o) and torch.equal(state, want_state) and state.dtype == torch.float32
+
+
+@pytest.mark.gpu
+def test_gpu_gdr_fallback_is_bit_identical_to_fla():
+    fla = fla_gdr()
+    args, kw = gdr_inputs("cuda", torch.bfloat16)
+    for change in ({}, {"use_gate_in_kernel": False, "A_log": None, "dt_bias": None}):
+        k2 = {**kw, **change}
+        assert kfla.explain_chunk_gated_delta_rule(*args, **k2).startswith("FLA: ")
+        ours = kfla.chunk_gated_delta_rule(*args, output_final_state=True, **k2)
+        theirs = fla(*args, output_final_state=True, **k2)
+        assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
+
+
+@pytest.mark.gpu
+def test_gpu_gdr_training_where_fla_refuses_its_backward_trains_through_kernelgate():
+    """On Hopper with Triton 3.4 to 3.7.0 FLA raises in this backward; the drop-in's call trains,
+    with the gradients of kernelgate's op."""
+    fla = fla_gdr()
+    args, kw = gdr_inputs("cuda", torch.bfloat16, requires_grad=True)
+    if not kfla._fla_refuses_gated_backward(args[0].device):
+        pytest.skip("FLA runs its own backward on this GPU and Triton")
+    o, _ = fla(*args, **kw)
+    with pytest.raises(RuntimeError, match="chunk_bwd_dqkwg"):
+        o.float().sum().backward()
+    assert kfla.explain_chunk_gated_delta_rule(*args, **kw) == "kernelgate"
+    leaves = list(args) + [kw["A_log"], kw["dt_bias"]]
+    o, _ = kfla.chunk_gated_delta_rule(*args, **kw)
+    got = torch.autograd.grad(o.float().square().sum(), leaves)
+    o2, _ = kg.gated_delta_rule(*args, kw["A_log"], kw["dt_bias"])
+    want = torch.autograd.grad(o2.float().square().sum(), leaves)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)

@@ -471,6 +471,8 @@ KERNELS = {
     ("rms_norm", "fla"): "layer_norm_fwd_kernel", ("layer_norm", "fla"): "layer_norm_fwd_kernel",
     ("swiglu", "fla"): "swiglu_fwd_kernel", ("causal_conv1d", "fla"): "causal_conv1d_fwd_kernel",
     ("causal_conv1d", "kernel_fun"): "cconv_fwd_strip",
+    ("gated_delta_rule", "fla_chunk"): "chunk_fwd_kernel_o",
+    ("gated_delta_rule", "fla_fused_recurrent"): "fused_recurrent_gated_delta_rule_fwd_kernel",
 }
 
 

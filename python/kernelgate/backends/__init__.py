@@ -11,6 +11,7 @@ evidence shows it correct for the call's region, or where the user forces it.
 """
 
 import dataclasses
+import functools
 import importlib.metadata
 import importlib.util
 import re
@@ -44,6 +45,7 @@ class LibraryBackend:
     absent: Sequence[str] = ()  # optional tensor arguments it needs not given
     max_dims: Optional[Dict[str, int]] = None  # named dims' largest sizes it implements
     grad_request: bool = False  # forward gets needs_grad= (kg.register_backend's grad_request)
+    adapter: Optional[str] = None  # its own adapter module instead of the library's
 
 
 LIBRARIES: Dict[str, Library] = {
@@ -81,6 +83,13 @@ BACKENDS: List[LibraryBackend] = [
     LibraryBackend("kernel_fun", "causal_conv1d", "kernel_fun", "causal_conv1d_fwd", "causal_conv1d_bwd",
                    dtypes=(torch.float16, torch.bfloat16), variants={"activation": ["silu"]},
                    absent=("bias",), max_dims={"width": 4}),
+    # FLA's gated delta rule (an adapter module of its own: its code's hash is in these backends'
+    # fingerprints only). FLA's kernels take dk <= 256. The fused-recurrent kernel has no backward
+    # of ours: it serves calls without gradients.
+    LibraryBackend("fla", "gated_delta_rule", "fla_chunk", "chunk_fwd", "chunk_bwd", max_dims={"dk": 256},
+                   adapter="fla_gated_delta_rule"),
+    LibraryBackend("fla", "gated_delta_rule", "fla_fused_recurrent", "fused_recurrent_fwd", None,
+                   max_dims={"dk": 256}, adapter="fla_gated_delta_rule"),
 ]
 
 
@@ -108,6 +117,7 @@ def status(lib: Library) -> Tuple[bool, str, str]:
     return True, "", version
 
 
+@functools.lru_cache(maxsize=None)
 def _adapter_hash(adapter: str) -> str:
     """A hash of the adapter module's code, read without importing it (which would import the
     library): comments and blank lines left out."""
@@ -125,11 +135,12 @@ def install() -> None:
 
     ops = {o["name"]: o for o in _C.ops()}
     found = {name: status(lib) for name, lib in LIBRARIES.items()}
-    versions = {name: f"{lib.dist}=={found[name][2]};code={_adapter_hash(lib.adapter)}"
-                for name, lib in LIBRARIES.items() if found[name][0]}
     for b in BACKENDS:
-        available, reason, _ = found[b.library]
-        module = f"{__name__}.{LIBRARIES[b.library].adapter}"
+        available, reason, installed = found[b.library]
+        lib = LIBRARIES[b.library]
+        adapter = b.adapter or lib.adapter
+        module = f"{__name__}.{adapter}"
+        version = f"{lib.dist}=={installed};code={_adapter_hash(adapter)}" if available else ""
         register_library_backend(
             b.op, b.name,
             forward=f"{module}:{b.forward}",
@@ -138,7 +149,7 @@ def install() -> None:
             needs=requirements(ops[b.op], "cuda", b.dtypes, b.variants, b.present, b.capturable,
                                nonempty=True, max_row_bytes=b.max_row_bytes, absent=b.absent,
                                max_dims=b.max_dims),
-            available=available, reason=reason, version=versions.get(b.library, ""),
+            available=available, reason=reason, version=version,
             grad_request=b.grad_request)
 
 

@@ -1,0 +1,57 @@
+"""FLA's gated delta rule kernels (fla-core) as backends of kernelgate's gated_delta_rule.
+
+Both are FLA's functions called in the fused layer form the op defines (l2-normalised q and k,
+the gate -exp(A_log) * softplus(g + dt_bias) and sigmoid(beta) computed in FLA's kernels), with
+the final state always returned. chunk: FLA's chunked kernels, whose backward this adapter runs
+by recomputing the forward through FLA's autograd function (FLA refuses that backward on Hopper
+with Triton 3.4 to 3.7.0, naming a wrong result of its gated chunk_bwd_dqkwg kernel there: a
+refusal the sweep records). fused_recurrent: FLA's step-by-step kernel, forward only.
+"""
+
+import torch
+
+
+def _kwargs(A_log, dt_bias, initial_state, scale):
+    return dict(scale=None if scale == 0 else scale, initial_state=initial_state, output_final_state=True,
+                use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+                use_beta_sigmoid_in_kernel=True)
+
+
+def _chunk(q, k, v, g, beta, A_log, dt_bias, initial_state, scale):
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    o, state = chunk_gated_delta_rule(q, k, v, g, beta, **_kwargs(A_log, dt_bias, initial_state, scale))
+    return o, state.float()  # the op's final state is float32
+
+
+def chunk_fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, scale):
+    return _chunk(q, k, v, g, beta, A_log, dt_bias, initial_state, scale)
+
+
+def chunk_bwd(grad_o, grad_state, q, k, v, g, beta, A_log, dt_bias, initial_state, scale):
+    inputs = [q, k, v, g, beta, A_log, dt_bias, initial_state]
+    with torch.enable_grad():
+        leaves = [None if t is None else t.detach().requires_grad_() for t in inputs]
+        o, state = _chunk(*leaves, scale)
+        outs, cots = [o], [grad_o]
+        if grad_state is not None:
+            outs.append(state)
+            cots.append(grad_state)
+        present = [t for t in leaves if t is not None]
+        got = iter(torch.autograd.grad(outs, present, cots, allow_unused=True))
+    grads = []
+    for t in leaves:
+        if t is None:
+            grads.append(None)
+            continue
+        d = next(got)
+        grads.append(torch.zeros_like(t) if d is None else d.to(t.dtype))
+    return tuple(grads)
+
+
+def fused_recurrent_fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, scale):
+    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+
+    o, state = fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta,
+                                                **_kwargs(A_log, dt_bias, initial_state, scale))
+    return o, state.float()

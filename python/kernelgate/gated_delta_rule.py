@@ -1,0 +1,104 @@
+"""gated_delta_rule: the Gated DeltaNet recurrence (Yang, Kautz and Hatamizadeh, 2024) in the form a
+Gated DeltaNet layer computes it — FLA's ``chunk_gated_delta_rule(q, k, v, g, beta, ...,
+use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+use_beta_sigmoid_in_kernel=True, output_final_state=True)``:
+
+    q_t, k_t = q_t / sqrt(|q_t|^2 + 1e-6), k_t / sqrt(|k_t|^2 + 1e-6)     (per head)
+    a_t = -exp(A_log) * softplus(g_t + dt_bias)                       (the log decay, <= 0)
+    b_t = sigmoid(beta_t)
+    S_t = exp(a_t) S_{t-1} + b_t k_t (v_t - exp(a_t) S_{t-1}^T k_t)^T    (S: [dk, dv] per head)
+    o_t = scale * S_t^T q_t
+
+from S_0 = initial_state (zeros when absent), for q, k [batch, seq, heads, dk], v [batch, seq,
+heads, dv], g and beta [batch, seq, heads], A_log and dt_bias [heads]; scale 0 means 1/sqrt(dk) (FLA's scale=None).
+It returns o (v's dtype) and the final state S_seq [batch, heads, dk, dv] in float32 (float64 for
+float64 inputs). Every input gets a gradient. The raw gate and beta logits are what the layer's
+projections produce, so any real values are in the op's domain (a precomputed log decay must be
+<= 0 and a post-sigmoid beta in (0, 1), which random test values are not).
+
+The reference computes in chunks of 64 steps in float32 (float64: the oracle), with the WY
+form of the delta rule: within a chunk, with G_t the cumulative log decay and S_0 the chunk's
+initial state, the corrected values U solve (I + A) U = diag(b) (V - diag(exp G) K S_0) with
+A_ts = b_t exp(G_t - G_s) k_t.k_s for s < t (unit lower triangular: torch's triangular solve),
+o = scale (diag(exp G) Q S_0 + (exp(G_t - G_s) q_t.k_s)_{s<=t} U), and the chunk's final state
+is exp(G_C) S_0 + K^T diag(exp(G_C - G)) U. Every exponent is <= 0 (the decays are masked
+before exp), so nothing overflows; a sequence not a multiple of 64 is padded with steps of
+decay 0 and b = 0, which leave the state as it is. Its gradients are autograd's through that
+code; tests/python/test_gated_delta_rule.py checks it against the step-by-step recurrence in
+float64.
+"""
+
+import torch
+
+from ._define import define_op
+
+SCHEMA = ("gated_delta_rule(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor A_log, "
+          "Tensor? dt_bias=None, Tensor? initial_state=None, float scale=0.0) -> (Tensor, Tensor)")
+DIMS = ("q: [batch, seq, heads, dk]; k: [batch, seq, heads, dk]; v: [batch, seq, heads, dv]; "
+        "g: [batch, seq, heads]; beta: [batch, seq, heads]; A_log: [heads]; dt_bias?: [heads]; "
+        "initial_state?: [batch, heads, dk, dv]")
+
+
+def gated_delta_rule_reference(q, k, v, g, beta, A_log, dt_bias, initial_state, scale):
+    import torch.nn.functional as F
+
+    acc = torch.promote_types(q.dtype, torch.float32)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    s = K ** -0.5 if scale == 0 and K > 0 else scale  # dk 0: o is 0 whatever the scale
+    C = 64
+    N = max(1, -(-T // C))
+    pad = N * C - T
+
+    def heads_first(x, fill=0.0):  # [B, T, H, ...] -> [B, H, N, C, ...] in acc, padded at the end
+        x = x.to(acc).movedim(2, 1)
+        if pad:
+            x = torch.cat([x, x.new_full((B, H, pad) + x.shape[3:], fill)], dim=2)
+        return x.reshape((B, H, N, C) + x.shape[3:])
+
+    qf, kf = q.to(acc), k.to(acc)
+    qf = qf * torch.rsqrt((qf * qf).sum(-1, keepdim=True) + 1e-6)
+    kf = kf * torch.rsqrt((kf * kf).sum(-1, keepdim=True) + 1e-6)
+    x = g.to(acc) if dt_bias is None else g.to(acc) + dt_bias.to(acc)
+    decay = -torch.exp(A_log.to(acc)) * F.softplus(x)  # [B, T, H]
+    Q, Kc, Vc = heads_first(qf), heads_first(kf), heads_first(v)
+    a, b = heads_first(decay), heads_first(torch.sigmoid(beta.to(acc)))  # [B, H, N, C]
+    G = a.cumsum(-1)
+    t_idx = torch.arange(C, device=q.device)
+    lower = t_idx[:, None] > t_idx[None, :]
+    lower_eq = t_idx[:, None] >= t_idx[None, :]
+    diff = G[..., :, None] - G[..., None, :]  # G_t - G_s
+    ninf = torch.tensor(float("-inf"), dtype=acc, device=q.device)
+    D_strict = torch.exp(torch.where(lower, diff, ninf))
+    D_incl = torch.exp(torch.where(lower_eq, diff, ninf))
+    kk = Kc @ Kc.transpose(-1, -2)  # [B, H, N, C, C]
+    A = b[..., :, None] * D_strict * kk
+    eye = torch.eye(C, dtype=acc, device=q.device)
+    qk = (Q @ Kc.transpose(-1, -2)) * D_incl
+    eG = torch.exp(G)
+    eGend = torch.exp(G[..., -1:] - G)  # decay from each step to the chunk's end
+    S = (torch.zeros(B, H, K, V, dtype=acc, device=q.device) if initial_state is None
+         else initial_state.to(acc))
+    outs = []
+    for n in range(N):
+        kn, qn = Kc[:, :, n], Q[:, :, n]
+        rhs = b[:, :, n, :, None] * (Vc[:, :, n] - eG[:, :, n, :, None] * (kn @ S))
+        U = torch.linalg.solve_triangular(eye + A[:, :, n], rhs, upper=False, unitriangular=True)
+        outs.append(s * (eG[:, :, n, :, None] * (qn @ S) + qk[:, :, n] @ U))
+        S = torch.exp(G[:, :, n, -1])[..., None, None] * S + kn.transpose(-1, -2) @ (eGend[:, :, n, :, None] * U)
+    o = torch.stack(outs, dim=2).reshape(B, H, N * C, V)[:, :, :T].movedim(1, 2)
+    return o.to(v.dtype), S
+
+
+gated_delta_rule = define_op(
+    SCHEMA,
+    dims=DIMS,
+    reference=gated_delta_rule_reference,
+    test_values={"scale": [0.0, 0.125]},
+    # seq: below one chunk, one chunk and a step, many chunks; dk up to 256 (FLA's kernels' limit).
+    dim_ranges={"batch": (1, 64), "seq": (1, 65536), "heads": (1, 64), "dk": (1, 256), "dv": (1, 512)},
+    production_shapes=[{"batch": 4, "seq": 4096, "heads": 16, "dk": 128, "dv": 128},
+                       {"batch": 8, "seq": 2048, "heads": 16, "dk": 128, "dv": 256},
+                       {"batch": 1, "seq": 8192, "heads": 32, "dk": 128, "dv": 128}],
+    outputs=("o", "final_state"),
+)

