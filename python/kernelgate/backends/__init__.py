@@ -6,7 +6,9 @@ takes seconds; it happens at the backend's first call, or in ``kg.warmup``). It 
 when its distribution is installed at a version in the range we test, and otherwise listed by
 ``kernelgate ops`` as unavailable with the reason. Its evidence's fingerprint carries the
 library's version and a hash of its adapter's code, so evidence of another version or another
-adapter never serves. Like every backend it serves a call only where the shipped or the user's
+adapter never serves. A backend whose adapter is a module of its own (``LibraryBackend.adapter``,
+e.g. FLA's gated delta rule) carries that module's hash: a change to it leaves the evidence of the
+library's other backends current. Like every backend it serves a call only where the shipped or the user's
 evidence shows it correct for the call's region, or where the user forces it.
 """
 
