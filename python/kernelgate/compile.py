@@ -311,8 +311,7 @@ def _pattern_pass() -> pm.PatternMatcherPass:
     CUDA device: PyTorch decomposes some backwards per device (on CUDA F.rms_norm's, and
     bfloat16 F.layer_norm's, come out as other ATen graphs than on the CPU), and a pattern
     matches only graphs like the one it was traced from; a device's trace is registered where
-    it differs from the CPU's. Traced
-    once per process, at the first compile that runs the pass."""
+    it differs from the CPU's. Traced once per process, at the first compile that runs the pass."""
     passes = pm.PatternMatcherPass(pass_name="kernelgate")
     cuda = torch.cuda.is_available()
     for form in _forms():

@@ -15,6 +15,7 @@ result bit for bit — with the reason logged once per process (logger ``kernelg
 imported only for such a call. ``explain_causal_conv1d(...)`` says which way a call goes and why.
 """
 
+import functools
 import inspect
 import logging
 from typing import Optional, Tuple
@@ -172,17 +173,23 @@ _GDR_KEYWORDS = ("use_gate_in_kernel", "A_log", "dt_bias")  # read from FLA's **
 def _fla_refuses_gated_backward(device: torch.device) -> bool:
     """FLA's own guard (fla-core 0.6): its gated chunk backward raises on Hopper with Triton >= 3.4
     and < 3.7.1, naming a wrong result of chunk_bwd_dqkwg there."""
+    return device.type == "cuda" and _fla_refuses_on_cuda(torch.cuda.current_device() if device.index is None
+                                                          else device.index)
+
+
+@torch._dynamo.assume_constant_result
+@functools.lru_cache(maxsize=None)
+def _fla_refuses_on_cuda(index: int) -> bool:
+    """Once per device (under torch.compile a constant of the graph)."""
     import importlib.metadata
 
     from .backends import release
 
-    if device.type != "cuda":
-        return False
     try:
         v = release(importlib.metadata.version("triton"))
     except importlib.metadata.PackageNotFoundError:
         return False
-    return torch.cuda.get_device_capability(device) == (9, 0) and (3, 4) <= v < (3, 7, 1)
+    return torch.cuda.get_device_capability(index) == (9, 0) and (3, 4) <= v < (3, 7, 1)
 
 
 def _gdr_refusal(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,

@@ -262,6 +262,21 @@ def test_gdr_with_evidence_kernelgate_serves_with_flas_return():
     assert torch.equal(o, want_o) and torch.equal(state, want_state) and state.dtype == torch.float32
 
 
+def test_gdr_under_torch_compile_without_a_graph_break():
+    args, kw = gdr_inputs()
+    rank_gdr()
+
+    def step(*args):
+        return kfla.chunk_gated_delta_rule(*args, **kw)[0] * 2
+
+    torch._dynamo.reset()
+    assert torch._dynamo.explain(step)(*args).graph_break_count == 0
+    torch._dynamo.reset()
+    want = kg.gated_delta_rule(*args, kw["A_log"], kw["dt_bias"])[0] * 2
+    torch.testing.assert_close(torch.compile(step, backend="eager", fullgraph=True)(*args), want)
+    torch._dynamo.reset()
+
+
 @pytest.mark.gpu
 def test_gpu_gdr_fallback_is_bit_identical_to_fla():
     fla = fla_gdr()
