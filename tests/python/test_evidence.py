@@ -125,13 +125,26 @@ def test_shards_partition_the_cases(tmp_path, capsys):
         cli.main(["bench", "run", "rms_norm", "--shard", "2/2", *sweep_args(str(tmp_path / "c.sqlite"))])
 
 
+def _first_ranked(e, db, shipped):
+    """The backend the evidence ranks first for explanation e's region, which must be one whose
+    every case there passed. (Which one it is follows the sweep's timings: on a 2-core CI machine
+    a contended timing window has ranked the reference above kernelgate_cpu, 3-4x faster
+    otherwise, so the tests read the evidence's ranking rather than assume one.)"""
+    region = next(r for r in _C.policy_regions("rms_norm", db, shipped)["regions"] if r["region"] == e.key)
+    first = region["ranked"][0]
+    standing = next(s for s in region["standings"] if s["backend"] == first)
+    assert standing["cases"] > 0 and standing["passed"] == standing["cases"], standing
+    assert "kernelgate_cpu" in region["ranked"], region  # passed every case, timed: ranked
+    return first
+
+
 def test_dispatcher_follows_the_evidence(faulty_db):
     db, _ = faulty_db
     try:
         _C.use_evidence(db, [])
         x, w = torch.randn(256, 256), torch.randn(256)
         e = kg.explain("rms_norm", x, w)  # the smoke grid's main region, no grad
-        assert e.backend == "kernelgate_cpu", str(e)
+        assert e.backend == _first_ranked(e, db, []), str(e)
         assert "evidence in" in e.reason
         # Wrong in every region: never ranked. (faulty_assumes_contiguous is right for
         # contiguous inputs, and the evidence may say so.)
@@ -151,7 +164,8 @@ def test_shipped_evidence_serves_regions_the_user_store_lacks(faulty_db, tmp_pat
     try:
         _C.use_evidence(str(tmp_path / "empty-user.sqlite"), [db])
         e = kg.explain("rms_norm", torch.randn(256, 256), torch.randn(256))
-        assert e.backend == "kernelgate_cpu" and "shipped" in e.reason, str(e)
+        assert e.backend == _first_ranked(e, str(tmp_path / "empty-user.sqlite"), [db]), str(e)
+        assert "shipped" in e.reason, str(e)
         regions = _C.policy_regions("rms_norm", str(tmp_path / "empty-user.sqlite"), [db])
         assert regions["regions"] and any("rows apply" in n for n in regions["notes"])
     finally:
