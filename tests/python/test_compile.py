@@ -310,6 +310,26 @@ HF_REWRITES = {
 }
 
 
+def _compiled_without_and_with_the_hook(model, ids, launched=False):
+    """One training step compiled by Inductor alone, then with the hook in mode "always" (its stats
+    reset first): each run's ((loss, grads), graphs, graph breaks), and with launched=True the
+    kernelgate kernels a second hooked step runs (None otherwise)."""
+    with inductor_config.patch(fx_graph_cache=False):
+        try:
+            torch._dynamo.reset()
+            inductor = _graphs(lambda: _step(model, ids, torch.compile(model)))
+            torch._dynamo.reset()
+            kc.stats(reset=True)
+            kc.enable("always")
+            compiled = torch.compile(model)
+            hooked = _graphs(lambda: _step(model, ids, compiled))
+            kernels = _kernelgate_kernels(lambda: _step(model, ids, compiled)) if launched else None
+        finally:
+            kc.disable()
+            torch._dynamo.reset()
+    return inductor, hooked, kernels
+
+
 @pytest.mark.parametrize("name,dtype", list(HF_REWRITES), ids=lambda v: str(v).replace("torch.", ""))
 def test_hugging_face_models_train_with_the_hook(name, dtype):
     """The transformers modeling code, unmodified, compiled with and without the hook: the same
@@ -319,17 +339,8 @@ def test_hugging_face_models_train_with_the_hook(name, dtype):
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
     model = _tiny(name, dtype)
     loss0, grads0 = _step(model, ids)
-    with inductor_config.patch(fx_graph_cache=False):
-        try:
-            torch._dynamo.reset()
-            (loss_i, grads_i), graphs_i, breaks_i = _graphs(lambda: _step(model, ids, torch.compile(model)))
-            torch._dynamo.reset()
-            kc.stats(reset=True)
-            kc.enable("always")
-            (loss_k, grads_k), graphs_k, breaks_k = _graphs(lambda: _step(model, ids, torch.compile(model)))
-        finally:
-            kc.disable()
-            torch._dynamo.reset()
+    ((loss_i, grads_i), graphs_i, breaks_i), ((loss_k, grads_k), graphs_k, breaks_k), _ = \
+        _compiled_without_and_with_the_hook(model, ids)
     assert kc.stats()["rewritten"] == HF_REWRITES[name, dtype], kc.stats()
     assert (graphs_k, breaks_k) == (graphs_i, breaks_i)
     _assert_as_close_as_inductor((loss0, grads0), (loss_i, grads_i), (loss_k, grads_k),
@@ -347,19 +358,9 @@ def test_hugging_face_models_train_with_the_hook_on_the_gpu(name):
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0)).cuda()
     model = _tiny(name, dtype).cuda()
     loss0, grads0 = _step(model, ids)
-    with inductor_config.patch(fx_graph_cache=False), kg.use(force="kernelgate_cuda"):
-        try:
-            torch._dynamo.reset()
-            (loss_i, grads_i), graphs_i, breaks_i = _graphs(lambda: _step(model, ids, torch.compile(model)))
-            torch._dynamo.reset()
-            kc.stats(reset=True)
-            kc.enable("always")
-            compiled = torch.compile(model)
-            (loss_k, grads_k), graphs_k, breaks_k = _graphs(lambda: _step(model, ids, compiled))
-            launched = _kernelgate_kernels(lambda: _step(model, ids, compiled))
-        finally:
-            kc.disable()
-            torch._dynamo.reset()
+    with kg.use(force="kernelgate_cuda"):
+        ((loss_i, grads_i), graphs_i, breaks_i), ((loss_k, grads_k), graphs_k, breaks_k), launched = \
+            _compiled_without_and_with_the_hook(model, ids, launched=True)
     assert kc.stats()["rewritten"] == HF_REWRITES[name, dtype], kc.stats()
     assert (graphs_k, breaks_k) == (graphs_i, breaks_i)
     assert launched, "no kernelgate CUDA kernel ran in the compiled step"
