@@ -143,18 +143,28 @@ def causal_conv1d(
                              cp_context=cp_context, **kwargs)
 
 
-def explain_causal_conv1d(x, weight=None, bias=None, **kwargs) -> str:
-    """Which way ``causal_conv1d(x, weight, bias, **kwargs)`` goes: "kernelgate" or "FLA: <why>"."""
-    args = dict(_CONV_DEFAULTS)
+def _defaults_after(fn, leading: int) -> dict:
+    """fn's named parameters after its first `leading`, with their defaults (FLA's)."""
+    return {n: p.default for n, p in list(inspect.signature(fn).parameters.items())[leading:]
+            if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD}
+
+
+def _explain(refusal, defaults: dict, leading: tuple, kwargs: dict) -> str:
+    """A drop-in's decision for a call given as its leading arguments and keywords: the keywords
+    FLA's function names, with its defaults for those not given, and the rest as its **kwargs."""
+    args = dict(defaults)
     extra = {k: v for k, v in kwargs.items() if k not in args}
     args.update({k: v for k, v in kwargs.items() if k in args})
-    why = _conv_refusal(x, weight, bias, kwargs=extra, **args)
+    why = refusal(*leading, kwargs=extra, **args)
     return "kernelgate" if why is None else f"FLA: {why}"
 
 
-# causal_conv1d's keyword parameters after bias, with their defaults (FLA's).
-_CONV_DEFAULTS = {n: p.default for n, p in list(inspect.signature(causal_conv1d).parameters.items())[3:]
-                  if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD}
+def explain_causal_conv1d(x, weight=None, bias=None, **kwargs) -> str:
+    """Which way ``causal_conv1d(x, weight, bias, **kwargs)`` goes: "kernelgate" or "FLA: <why>"."""
+    return _explain(_conv_refusal, _CONV_DEFAULTS, (x, weight, bias), kwargs)
+
+
+_CONV_DEFAULTS = _defaults_after(causal_conv1d, 3)  # after x, weight and bias
 
 
 # ---- chunk_gated_delta_rule -------------------------------------------------------------------
@@ -275,12 +285,7 @@ def chunk_gated_delta_rule(
 
 def explain_chunk_gated_delta_rule(q, k, v, g, beta, **kwargs) -> str:
     """Which way ``chunk_gated_delta_rule(q, k, v, g, beta, **kwargs)`` goes: "kernelgate" or "FLA: <why>"."""
-    args = dict(_GDR_DEFAULTS)
-    extra = {n: val for n, val in kwargs.items() if n not in args}
-    args.update({n: val for n, val in kwargs.items() if n in args})
-    why = _gdr_refusal(q, k, v, g, beta, kwargs=extra, **args)
-    return "kernelgate" if why is None else f"FLA: {why}"
+    return _explain(_gdr_refusal, _GDR_DEFAULTS, (q, k, v, g, beta), kwargs)
 
 
-_GDR_DEFAULTS = {n: p.default for n, p in list(inspect.signature(chunk_gated_delta_rule).parameters.items())[5:]
-                 if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD}
+_GDR_DEFAULTS = _defaults_after(chunk_gated_delta_rule, 5)  # after q, k, v, g and beta

@@ -198,17 +198,6 @@ def test_gpu_fla_forward(backend, shape, dtype):
     _gpu_check(backend, shape, dtype, grad=False, dt_bias=False, h0=False)
 
 
-def _fla_refuses_its_backward():
-    """FLA 0.6.0's own guard: its gated chunk backward is refused on Hopper with Triton >= 3.4 and
-    < 3.7.1 (a wrong result of chunk_bwd_dqkwg there, FLA says)."""
-    import triton
-
-    from kernelgate.backends import release
-
-    v = release(triton.__version__)
-    return torch.cuda.get_device_capability() == (9, 0) and (3, 4) <= v < (3, 7, 1)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [pytest.param(s, marks=_H200_UNREAD) if s[1] in (63, 130) else s
                                    for s in GPU_SHAPES], ids=str)
@@ -216,7 +205,9 @@ def test_gpu_fla_chunk_backward(shape):
     """Where FLA refuses its backward, the forced call raises FLA's error (nothing wrong is served,
     and a sweep records the refusal); elsewhere its gradients meet the oracle rule."""
     pytest.importorskip("fla")
-    if _fla_refuses_its_backward():
+    from kernelgate.fla import _fla_refuses_gated_backward  # FLA 0.6's own guard, as the drop-in reads it
+
+    if _fla_refuses_gated_backward(torch.device("cuda")):
         with pytest.raises(RuntimeError, match="chunk_bwd_dqkwg"):
             _gpu_check("fla_chunk", shape, torch.bfloat16, grad=True)
     else:
