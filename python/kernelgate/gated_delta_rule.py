@@ -21,7 +21,10 @@ form of the delta rule: within a chunk, with G_t the cumulative log decay and S_
 initial state, the corrected values U solve (I + A) U = diag(b) (V - diag(exp G) K S_0) with
 A_ts = b_t exp(G_t - G_s) k_t.k_s for s < t (unit lower triangular: torch's triangular solve),
 o = scale (diag(exp G) Q S_0 + (exp(G_t - G_s) q_t.k_s)_{s<=t} U), and the chunk's final state
-is exp(G_C) S_0 + K^T diag(exp(G_C - G)) U. Every exponent is <= 0 (the decays are masked
+is exp(G_C) S_0 + K^T diag(exp(G_C - G)) U. The triangular systems of every chunk are solved at
+once, before the pass over the chunks (U = U0 - W S_0 with U0 = (I + A)^-1 diag(b) V and
+W = (I + A)^-1 diag(b exp G) K, which need no state): the pass is four batched matmuls per chunk,
+so a long sequence launches few kernels per 64 steps. Every exponent is <= 0 (the decays are masked
 before exp), so nothing overflows; a sequence not a multiple of 64 is padded with steps of
 decay 0 and b = 0, which leave the state as it is. Its gradients are autograd's through that
 code; tests/python/test_gated_delta_rule.py checks it against the step-by-step recurrence in
@@ -74,19 +77,29 @@ def gated_delta_rule_reference(q, k, v, g, beta, A_log, dt_bias, initial_state, 
     kk = Kc @ Kc.transpose(-1, -2)  # [B, H, N, C, C]
     A = b[..., :, None] * D_strict * kk
     eye = torch.eye(C, dtype=acc, device=q.device)
+    eG = torch.exp(G)[..., None]
+    # Every chunk's WY factors at once (they need no state): U = U0 - W S_0.
+    UW = torch.linalg.solve_triangular(eye + A, torch.cat([b[..., None] * Vc, (b[..., None] * eG) * Kc], -1),
+                                       upper=False, unitriangular=True)
+    U0, W = UW[..., :V], UW[..., V:]
+    Kend = Kc * torch.exp(G[..., -1:] - G)[..., None]  # keys decayed to the chunk's end
+    eGC = torch.exp(G[..., -1])[..., None, None]  # [B, H, N, 1, 1]
     qk = (Q @ Kc.transpose(-1, -2)) * D_incl
-    eG = torch.exp(G)
-    eGend = torch.exp(G[..., -1:] - G)  # decay from each step to the chunk's end
     S = (torch.zeros(B, H, K, V, dtype=acc, device=q.device) if initial_state is None
          else initial_state.to(acc))
+    BH = B * H
+
+    def bmm_add(x, m1, m2, alpha=1.0):  # x + alpha * m1 @ m2, batched over [B, H]: one kernel
+        return torch.baddbmm(x.reshape(BH, *x.shape[2:]), m1.reshape(BH, *m1.shape[2:]),
+                             m2.reshape(BH, *m2.shape[2:]), alpha=alpha).view(*x.shape)
+
     outs = []
     for n in range(N):
-        kn, qn = Kc[:, :, n], Q[:, :, n]
-        rhs = b[:, :, n, :, None] * (Vc[:, :, n] - eG[:, :, n, :, None] * (kn @ S))
-        U = torch.linalg.solve_triangular(eye + A[:, :, n], rhs, upper=False, unitriangular=True)
-        outs.append(s * (eG[:, :, n, :, None] * (qn @ S) + qk[:, :, n] @ U))
-        S = torch.exp(G[:, :, n, -1])[..., None, None] * S + kn.transpose(-1, -2) @ (eGend[:, :, n, :, None] * U)
-    o = torch.stack(outs, dim=2).reshape(B, H, N * C, V)[:, :, :T].movedim(1, 2)
+        U = bmm_add(U0[:, :, n], W[:, :, n], S, alpha=-1.0)
+        outs.append(bmm_add(eG[:, :, n] * (Q[:, :, n] @ S), qk[:, :, n], U))
+        S = bmm_add(eGC[:, :, n] * S, Kend[:, :, n].transpose(-1, -2), U)
+    o = s * torch.stack(outs, dim=2)
+    o = o.reshape(B, H, N * C, V)[:, :, :T].movedim(1, 2)
     return o.to(v.dtype), S
 
 
