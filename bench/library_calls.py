@@ -46,9 +46,23 @@ def _fla():
     from fla.modules.activations.ops import swiglu
     from fla.modules.causal_conv1d import causal_conv1d
     from fla.modules.norm.layernorm import layer_norm, rms_norm
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
     rows = B * S
+
+    def gdr():  # the fused layer form, without gradients: FLA refuses its gated chunk backward on
+        # Hopper with Triton 3.4 to 3.7.0, and the fused-recurrent backend is forward only
+        x = [_t(B, S, H, 64, grad=False) for _ in range(3)] + [_t(B, S, H, grad=False) for _ in range(2)]
+        return (*x, _t(H, grad=False), _t(H, grad=False), None, 0.0)
+
+    fused = dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, use_gate_in_kernel=True,
+                 output_final_state=True)
     return {
+        ("gated_delta_rule", "fla_chunk"): (gdr, lambda q, k, v, g, b, A, dt, h0, s: chunk_gated_delta_rule(
+            q, k, v, g, b, initial_state=h0, A_log=A, dt_bias=dt, **fused)),
+        ("gated_delta_rule", "fla_fused_recurrent"): (
+            gdr, lambda q, k, v, g, b, A, dt, h0, s: fused_recurrent_gated_delta_rule(
+                q, k, v, g=g, beta=b, initial_state=h0, A_log=A, dt_bias=dt, **fused)),
         ("rms_norm", "fla"): (lambda: (_t(rows, 2048), _t(2048), 1e-6),
                               lambda x, w, eps: rms_norm(x, w, None, eps=eps)),
         ("layer_norm", "fla"): (lambda: (_t(rows, 2048), _t(2048), _t(2048), 1e-5),
@@ -77,6 +91,8 @@ class _Direct(dict):
 
     def __missing__(self, key):
         self.update(_LIBRARIES[next(lib for lib in _LIBRARIES if key[1].startswith(lib))]())
+        if not dict.__contains__(self, key):
+            raise KeyError(f"bench/library_calls.py has no direct call of {key[0]}'s backend {key[1]}")
         return dict.__getitem__(self, key)
 
 

@@ -71,9 +71,9 @@ def gated_delta_rule_reference(q, k, v, g, beta, A_log, dt_bias, initial_state, 
     lower = t_idx[:, None] > t_idx[None, :]
     lower_eq = t_idx[:, None] >= t_idx[None, :]
     diff = G[..., :, None] - G[..., None, :]  # G_t - G_s
-    ninf = torch.tensor(float("-inf"), dtype=acc, device=q.device)
-    D_strict = torch.exp(torch.where(lower, diff, ninf))
-    D_incl = torch.exp(torch.where(lower_eq, diff, ninf))
+    # masked_fill with a Python scalar: no host-to-device copy (a CUDA graph captures it)
+    D_strict = torch.exp(diff.masked_fill(~lower, float("-inf")))
+    D_incl = torch.exp(diff.masked_fill(~lower_eq, float("-inf")))
     kk = Kc @ Kc.transpose(-1, -2)  # [B, H, N, C, C]
     A = b[..., :, None] * D_strict * kk
     eye = torch.eye(C, dtype=acc, device=q.device)

@@ -5,7 +5,7 @@ the gate -exp(A_log) * softplus(g + dt_bias) and sigmoid(beta) computed in FLA's
 the final state always returned. chunk: FLA's chunked kernels, whose backward this adapter runs
 by recomputing the forward through FLA's autograd function (FLA refuses that backward on Hopper
 with Triton 3.4 to 3.7.0, naming a wrong result of its gated chunk_bwd_dqkwg kernel there: a
-refusal the sweep records). fused_recurrent: FLA's step-by-step kernel, forward only.
+refusal the sweep records, raised here before FLA's backward kernels run). fused_recurrent: FLA's step-by-step kernel, forward only.
 """
 
 import torch
@@ -29,6 +29,15 @@ def chunk_fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, scale):
 
 
 def chunk_bwd(grad_o, grad_state, q, k, v, g, beta, A_log, dt_bias, initial_state, scale):
+    from ..fla import _fla_refuses_gated_backward
+
+    # FLA's guard is in chunk_bwd_dqkwg, after kernels of its backward that hit an illegal memory
+    # access at some shapes on the H200 (chunk_bwd_dv_local at B2 T63 H3 K32 V16): a process-wide
+    # CUDA error. The same refusal, raised before any of them runs:
+    if _fla_refuses_gated_backward(q.device):
+        raise RuntimeError("FLA (fla-core 0.6) refuses its gated chunk backward on Hopper with Triton >= 3.4 "
+                           "and < 3.7.1 (a wrong result of its chunk_bwd_dqkwg kernel there, it says); "
+                           "Triton >= 3.7.1 or FLA's tilelang backend lifts it")
     inputs = [q, k, v, g, beta, A_log, dt_bias, initial_state]
     with torch.enable_grad():
         leaves = [None if t is None else t.detach().requires_grad_() for t in inputs]
