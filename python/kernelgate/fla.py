@@ -83,6 +83,40 @@ def _routed_by_evidence(op: str, tensors, strings) -> Optional[str]:
     return why
 
 
+def _check_cu_seqlens(x: torch.Tensor, cu_seqlens, cu_seqlens_cpu, what: str) -> None:
+    """A cu_seqlens that FLA's kernels would read out of bounds (or compute a wrong answer from)
+    is an error: a 1-D integer tensor on x's device (cu_seqlens_cpu: on the CPU) of at least two
+    offsets, starting at 0, never decreasing (an empty sequence is allowed) and ending at x's
+    length, x [1, total, ...] (FLA's varlen layout). The offsets' values are read from
+    cu_seqlens_cpu where it is given (no device sync: what it is for), else from cu_seqlens (one
+    sync, where FLA reads them on the host too); under torch.compile the check is left to FLA."""
+    if torch.compiler.is_compiling() or not isinstance(x, torch.Tensor) or x.dim() < 3:
+        return
+    given = [(n, o, d) for n, o, d in (("cu_seqlens", cu_seqlens, x.device),
+                                       ("cu_seqlens_cpu", cu_seqlens_cpu, torch.device("cpu"))) if o is not None]
+    for name, offsets, device in given:
+        if not isinstance(offsets, torch.Tensor):
+            raise TypeError(f"{what}: {name} must be a tensor of sequence offsets, got {type(offsets).__name__}")
+        if offsets.dim() != 1 or offsets.numel() < 2 or offsets.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{what}: {name} must be a 1-D int32 or int64 tensor of at least 2 offsets, "
+                             f"got {offsets.dtype} of shape {list(offsets.shape)}")
+        if offsets.device != device:
+            raise ValueError(f"{what}: {name} must be on {device} (x is on {x.device}), got {offsets.device}")
+        if x.shape[0] != 1:
+            raise ValueError(f"{what}: with {name}, x must hold the sequences concatenated as batch 1 "
+                             f"([1, total, ...]), got shape {list(x.shape)}")
+    if len(given) == 2 and given[0][1].numel() != given[1][1].numel():
+        raise ValueError(f"{what}: cu_seqlens and cu_seqlens_cpu must hold the same offsets, got "
+                         f"{given[0][1].numel()} and {given[1][1].numel()} of them")
+    if given:
+        name, offsets, _ = given[-1]
+        v = offsets.tolist()
+        if v[0] != 0 or any(b < a for a, b in zip(v, v[1:])) or v[-1] != x.shape[1]:
+            shown = v if len(v) <= 12 else v[:6] + ["..."] + v[-6:]
+            raise ValueError(f"{what}: {name} must start at 0, never decrease and end at the total length "
+                             f"{x.shape[1]} (x's dim 1), got {shown}")
+
+
 def _conv_refusal(x, weight, bias, residual, initial_state, output_final_state, activation, backend,
                   cu_seqlens, cu_seqlens_cpu, chunk_indices, cp_context, kwargs) -> Optional[str]:
     forwarded = {"residual": residual, "initial_state": initial_state, "cu_seqlens": cu_seqlens,
@@ -130,6 +164,7 @@ def causal_conv1d(
     """``fla.modules.convolution.causal_conv1d``: returns ``(y, final_state)``. Served by
     ``kernelgate.causal_conv1d`` (final_state None) where the module docstring says; by FLA
     verbatim otherwise."""
+    _check_cu_seqlens(x, cu_seqlens, cu_seqlens_cpu, "causal_conv1d")
     why = _conv_refusal(x, weight, bias, residual, initial_state, output_final_state, activation, backend,
                         cu_seqlens, cu_seqlens_cpu, chunk_indices, cp_context, kwargs)
     if why is None:
@@ -264,6 +299,7 @@ def chunk_gated_delta_rule(
     backward (Hopper with Triton 3.4 to 3.7.0): there FLA's backward raises, and kernelgate's op
     (its reference, unless evidence ranks another) computes it. Every other call goes to FLA
     verbatim."""
+    _check_cu_seqlens(q, cu_seqlens, cu_seqlens_cpu, "chunk_gated_delta_rule")
     why = _gdr_refusal(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                        use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens, cu_seqlens_cpu,
                        chunk_indices, cp_context, kwargs)

@@ -251,6 +251,51 @@ def test_gdr_call_kernelgate_does_not_implement_goes_to_fla(change, why):
     assert got.startswith("FLA: " + why), got
 
 
+# A wrong cu_seqlens is an error before any kernel runs (FLA's would read out of bounds or
+# compute a wrong answer from it), naming the argument, what was expected and what came.
+BAD_CU_SEQLENS = [
+    (torch.tensor([0, 4, 9]), None, ValueError, r"cu_seqlens must start at 0, never decrease and end at the "
+                                                r"total length 10 \(x's dim 1\), got \[0, 4, 9\]"),
+    (torch.tensor([1, 10]), None, ValueError, r"cu_seqlens must start at 0.*got \[1, 10\]"),
+    (torch.tensor([0, 6, 4, 10]), None, ValueError, r"never decrease.*got \[0, 6, 4, 10\]"),
+    (torch.tensor([0.0, 10.0]), None, ValueError, r"cu_seqlens must be a 1-D int32 or int64 tensor .* got torch.float32"),
+    (torch.tensor([10]), None, ValueError, r"at least 2 offsets, got torch.int64 of shape \[1\]"),
+    ([0, 10], None, TypeError, r"cu_seqlens must be a tensor of sequence offsets, got list"),
+    (None, torch.tensor([0, 3, 11]), ValueError, r"cu_seqlens_cpu must start at 0.*got \[0, 3, 11\]"),
+    (torch.tensor([0, 10]), torch.tensor([0, 3, 10]), ValueError, r"must hold the same offsets, got 2 and 3"),
+]
+
+
+@pytest.mark.parametrize("which", ["causal_conv1d", "chunk_gated_delta_rule"])
+@pytest.mark.parametrize("cu,cu_cpu,error,message", BAD_CU_SEQLENS)
+def test_a_wrong_cu_seqlens_is_an_error_naming_it(which, cu, cu_cpu, error, message):
+    if which == "causal_conv1d":
+        args, kw = (torch.randn(1, 10, 8), torch.randn(8, 4)), {"activation": "silu"}
+    else:
+        args, kw = gdr_inputs(B=1, T=10)
+    with pytest.raises(error, match=f"{which}: .*{message}"):
+        getattr(kfla, which)(*args, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, **kw)
+
+
+def test_a_varlen_call_must_be_batch_one_and_offsets_on_the_right_device():
+    x = torch.randn(2, 10, 8)
+    with pytest.raises(ValueError, match=r"causal_conv1d: with cu_seqlens, x must hold the sequences "
+                                         r"concatenated as batch 1 \(\[1, total, ...\]\), got shape \[2, 10, 8\]"):
+        kfla.causal_conv1d(x, torch.randn(8, 4), cu_seqlens=torch.tensor([0, 10]))
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match="cu_seqlens_cpu must be on cpu"):
+            kfla._check_cu_seqlens(x[:1], None, torch.tensor([0, 10], device="cuda"), "causal_conv1d")
+
+
+@pytest.mark.parametrize("offsets", [[0, 10], [0, 4, 10], [0, 0, 10], [0, 10, 10]])
+def test_a_right_cu_seqlens_passes_the_check(offsets):
+    x = torch.randn(1, 10, 8)
+    for dtype in (torch.int32, torch.int64):
+        t = torch.tensor(offsets, dtype=dtype)
+        assert kfla._check_cu_seqlens(x, t, None, "causal_conv1d") is None
+        assert kfla._check_cu_seqlens(x, t, t.clone(), "causal_conv1d") is None
+
+
 def test_gdr_with_evidence_kernelgate_serves_with_flas_return():
     args, kw = gdr_inputs()
     rank_gdr()
