@@ -57,7 +57,16 @@ def _fla():
 
     fused = dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, use_gate_in_kernel=True,
                  output_final_state=True)
+
+    def kda():  # the same form, with a gate per key channel ([B, S, H, 64]) and dt_bias [H, 64]
+        x = [_t(B, S, H, 64, grad=False) for _ in range(4)] + [_t(B, S, H, grad=False)]
+        return (*x, _t(H, grad=False), _t(H, 64, grad=False), None, 0.0)
+
+    from fla.ops.kda import chunk_kda
+
     return {
+        ("kda", "fla_chunk"): (kda, lambda q, k, v, g, b, A, dt, h0, s: chunk_kda(
+            q, k, v, g, b, initial_state=h0, A_log=A, dt_bias=dt.reshape(-1), **fused)),
         ("gated_delta_rule", "fla_chunk"): (gdr, lambda q, k, v, g, b, A, dt, h0, s: chunk_gated_delta_rule(
             q, k, v, g, b, initial_state=h0, A_log=A, dt_bias=dt, **fused)),
         ("gated_delta_rule", "fla_fused_recurrent"): (

@@ -3,6 +3,7 @@ same returns.
 
     from kernelgate.fla import causal_conv1d      # for fla.modules.convolution.causal_conv1d
     from kernelgate.fla import chunk_gated_delta_rule   # for fla.ops.gated_delta_rule's
+    from kernelgate.fla import chunk_kda                # for fla.ops.kda's
 
 A call is served by kernelgate only where kernelgate can and evidence says it should: every
 argument is one it implements (a whitelist: FLA's other arguments, set to anything but their
@@ -255,6 +256,19 @@ def _gdr_refusal(q, k, v, g, beta, scale, initial_state, output_final_state, use
         return "allow_neg_eigval or state_v_first is True (kernelgate implements False only)"
     A_log, dt_bias = kwargs.get("A_log"), kwargs.get("dt_bias")
     tensors = (q, k, v, g, beta, A_log, dt_bias, initial_state)
+    why = _delta_rule_call_refusal(tensors, scale)
+    if why is not None:
+        return why
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    if grad and _fla_refuses_gated_backward(q.device):
+        return None  # FLA would raise in the backward; kernelgate's op has one
+    return _routed_by_evidence("gated_delta_rule", tensors, {})
+
+
+def _delta_rule_call_refusal(tensors, scale) -> Optional[str]:
+    """What the gated_delta_rule and kda ops cannot take of a call's (q, k, v, g, beta, A_log,
+    dt_bias, initial_state) and scale, or None."""
+    q, v = tensors[0], tensors[2]
     if any(t is not None and not isinstance(t, torch.Tensor) for t in tensors) or any(
             t is None for t in tensors[:6]):
         return "q, k, v, g, beta and A_log must be tensors (dt_bias and initial_state tensors or None)"
@@ -266,10 +280,7 @@ def _gdr_refusal(q, k, v, g, beta, scale, initial_state, output_final_state, use
         return "tensors on more than one device"
     if not isinstance(scale, (int, float, type(None))) or (scale is not None and scale <= 0):
         return f"scale={scale!r} (kernelgate implements None or a positive number)"
-    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-    if grad and _fla_refuses_gated_backward(q.device):
-        return None  # FLA would raise in the backward; kernelgate's op has one
-    return _routed_by_evidence("gated_delta_rule", tensors, {})
+    return None
 
 
 def chunk_gated_delta_rule(
@@ -325,3 +336,110 @@ def explain_chunk_gated_delta_rule(q, k, v, g, beta, **kwargs) -> str:
 
 
 _GDR_DEFAULTS = _defaults_after(chunk_gated_delta_rule, 5)  # after q, k, v, g and beta
+
+
+# ---- chunk_kda ------------------------------------------------------------------------------------
+
+# FLA's chunk_kda parameters and the keywords it reads from **kwargs, as for chunk_gated_delta_rule.
+# disable_recompute only trades FLA's memory for its speed: any value is kernelgate's to serve.
+KDA_HANDLED = ("q", "k", "v", "g", "beta", "scale", "initial_state", "output_final_state",
+               "use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel", "allow_neg_eigval",
+               "safe_gate", "lower_bound", "disable_recompute", "return_intermediate_states", "state_v_first",
+               "A_log", "dt_bias")
+KDA_FORWARDED = ("cu_seqlens", "cu_seqlens_cpu", "cp_context", "use_graph", "max_num_seqs", "chunk_size",
+                 "transpose_state_layout", "kwargs")
+_KDA_KEYWORDS = ("A_log", "dt_bias")  # read from FLA's **kwargs
+
+
+def _kda_refusal(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                 use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound,
+                 disable_recompute, return_intermediate_states, state_v_first, cu_seqlens, cu_seqlens_cpu,
+                 cp_context, use_graph, max_num_seqs, kwargs) -> Optional[str]:
+    forwarded = {"cu_seqlens": cu_seqlens, "cu_seqlens_cpu": cu_seqlens_cpu, "cp_context": cp_context,
+                 "max_num_seqs": max_num_seqs}
+    for name, value in forwarded.items():
+        if value is not None:
+            return f"{name} is given (kernelgate implements it as None only)"
+    unknown = set(kwargs) - set(_KDA_KEYWORDS)
+    if unknown:
+        return f"arguments kernelgate does not know: {', '.join(sorted(unknown))}"
+    if not (use_qk_l2norm_in_kernel and use_gate_in_kernel and use_beta_sigmoid_in_kernel):
+        return ("not the fused layer form (kernelgate implements use_qk_l2norm_in_kernel, "
+                "use_gate_in_kernel and use_beta_sigmoid_in_kernel all True)")
+    if allow_neg_eigval or safe_gate or lower_bound is not None or state_v_first or use_graph \
+            or return_intermediate_states:
+        return ("allow_neg_eigval, safe_gate, lower_bound, state_v_first, use_graph or "
+                "return_intermediate_states is set (kernelgate implements their defaults only)")
+    A_log, dt_bias = kwargs.get("A_log"), kwargs.get("dt_bias")
+    if isinstance(dt_bias, torch.Tensor) and isinstance(q, torch.Tensor) and q.dim() == 4:
+        if dt_bias.dim() != 1 or dt_bias.numel() != q.shape[2] * q.shape[3]:
+            return f"dt_bias of shape {list(dt_bias.shape)} (kernelgate implements FLA's [H * K])"
+        dt_bias = dt_bias.view(q.shape[2], q.shape[3])
+    tensors = (q, k, v, g, beta, A_log, dt_bias, initial_state)
+    why = _delta_rule_call_refusal(tensors, scale)
+    if why is not None:
+        return why
+    if g.shape != q.shape:
+        return f"g of shape {list(g.shape)} (kernelgate implements q's, [B, T, H, K]: no GVA)"
+    return _routed_by_evidence("kda", tensors, {})
+
+
+def chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: Optional[float] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    safe_gate: bool = False,
+    lower_bound: Optional[float] = None,
+    disable_recompute: bool = False,
+    return_intermediate_states: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: Optional[torch.LongTensor] = None,
+    cu_seqlens_cpu: Optional[torch.LongTensor] = None,
+    cp_context=None,
+    use_graph: bool = False,
+    max_num_seqs: Optional[int] = None,
+    **kwargs,
+):
+    """``fla.ops.kda.chunk_kda``: returns ``(o, final_state)``. Served by ``kernelgate.kda`` for
+    FLA's fused layer form (``use_qk_l2norm_in_kernel``, ``use_gate_in_kernel`` with ``A_log``,
+    ``use_beta_sigmoid_in_kernel``; as many value heads as query heads) where evidence ranks a
+    kernel for the call; every other call goes to FLA verbatim."""
+    _check_cu_seqlens(q, cu_seqlens, cu_seqlens_cpu, "chunk_kda")
+    why = _kda_refusal(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                       use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound,
+                       disable_recompute, return_intermediate_states, state_v_first, cu_seqlens, cu_seqlens_cpu,
+                       cp_context, use_graph, max_num_seqs, kwargs)
+    if why is None:
+        H, K = q.shape[2], q.shape[3]
+        dt_bias = kwargs.get("dt_bias")
+        o, state = torch.ops.kernelgate.kda(q, k, v, g, beta, kwargs["A_log"],
+                                            None if dt_bias is None else dt_bias.view(H, K), initial_state,
+                                            0.0 if scale is None else float(scale))
+        return o, (state if output_final_state else None)
+    _log_once(why)
+    from fla.ops.kda import chunk_kda as fla_chunk_kda
+
+    return fla_chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                         output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                         use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                         allow_neg_eigval=allow_neg_eigval, safe_gate=safe_gate, lower_bound=lower_bound,
+                         disable_recompute=disable_recompute, return_intermediate_states=return_intermediate_states,
+                         state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                         cp_context=cp_context, use_graph=use_graph, max_num_seqs=max_num_seqs, **kwargs)
+
+
+def explain_chunk_kda(q, k, v, g, beta, **kwargs) -> str:
+    """Which way ``chunk_kda(q, k, v, g, beta, **kwargs)`` goes: "kernelgate" or "FLA: <why>"."""
+    return _explain(_kda_refusal, _KDA_DEFAULTS, (q, k, v, g, beta), kwargs)
+
+
+_KDA_DEFAULTS = _defaults_after(chunk_kda, 5)  # after q, k, v, g and beta

@@ -353,3 +353,93 @@ def test_gpu_gdr_training_where_fla_refuses_its_backward_trains_through_kernelga
     want = torch.autograd.grad(o2.float().square().sum(), leaves)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+
+
+# ---- chunk_kda ------------------------------------------------------------------------------------
+
+def fla_kda():
+    return pytest.importorskip("fla.ops.kda").chunk_kda
+
+
+KDA_FUSED = {"use_qk_l2norm_in_kernel": True, "use_beta_sigmoid_in_kernel": True, "use_gate_in_kernel": True}
+
+
+def kda_inputs(B=2, T=40, H=3, K=16, V=8):
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(B, T, H, K), (B, T, H, K), (B, T, H, V), (B, T, H, K), (B, T, H), (H,), (H * K,)]
+    q, k, v, g, beta, A_log, dt_bias = [torch.randn(s, generator=gen) for s in shapes]
+    return (q, k, v, g, beta), {"A_log": A_log, "dt_bias": dt_bias, **KDA_FUSED}
+
+
+def _kda_kernel(q, k, v, g, beta, A_log, dt_bias, initial_state, scale):
+    return torch.ops.kernelgate._kda_reference(q, k, v, g, beta, A_log, dt_bias, initial_state, scale)
+
+
+def rank_kda():
+    # as rank(): a CPU backend standing for a kernel ranked by evidence
+    kg.register_backend("kda", "test_dropin_kda", _kda_kernel, device="cpu")
+    kg.policy.add_rule("kda", ["test_dropin_kda"], evidence="test: ranked")
+
+
+def test_kda_signature_is_flas():
+    ours, theirs = inspect.signature(kfla.chunk_kda), inspect.signature(fla_kda())
+    assert [(p.name, p.kind, p.default) for p in ours.parameters.values()] == \
+           [(p.name, p.kind, p.default) for p in theirs.parameters.values()]
+
+
+def test_every_fla_kda_parameter_and_keyword_is_classified():
+    import re
+
+    fn = fla_kda()
+    names = set(inspect.signature(fn).parameters)
+    names |= set(re.findall(r"""kwargs(?:\.get|\.pop)\(\s*['"](\w+)['"]""", inspect.getsource(fn)))
+    names |= set(re.findall(r"""['"](\w+)['"]\s+in\s+kwargs""", inspect.getsource(fn)))
+    assert {"A_log", "dt_bias", "chunk_size", "transpose_state_layout"} <= names  # the scan finds them
+    assert names == set(kfla.KDA_HANDLED) | set(kfla.KDA_FORWARDED), names ^ (set(kfla.KDA_HANDLED) | set(kfla.KDA_FORWARDED))
+    assert not set(kfla.KDA_HANDLED) & set(kfla.KDA_FORWARDED)
+
+
+def test_kda_without_evidence_goes_to_fla():
+    args, kw = kda_inputs()
+    why = kfla.explain_chunk_kda(*args, **kw)
+    assert why.startswith("FLA: no evidence ranks a kernelgate kernel for this call (kda cpu"), why
+
+
+@pytest.mark.parametrize("change,why", [
+    ({"use_gate_in_kernel": False}, "not the fused layer form"),
+    ({"use_qk_l2norm_in_kernel": False}, "not the fused layer form"),
+    ({"safe_gate": True}, "allow_neg_eigval, safe_gate"),
+    ({"lower_bound": -5.0}, "allow_neg_eigval, safe_gate"),
+    ({"return_intermediate_states": True}, "allow_neg_eigval, safe_gate"),
+    ({"cu_seqlens": torch.tensor([0, 40])}, "cu_seqlens is given"),
+    ({"chunk_size": 32}, "arguments kernelgate does not know: chunk_size"),
+    ({"dt_bias": torch.randn(3, 16)}, "dt_bias of shape [3, 16]"),
+    ({"A_log": None}, "q, k, v, g, beta and A_log must be tensors"),
+])
+def test_kda_call_kernelgate_does_not_implement_goes_to_fla(change, why):
+    args, kw = kda_inputs()
+    rank_kda()
+    assert kfla.explain_chunk_kda(*args, **kw) == "kernelgate"
+    kw.update(change)
+    got = kfla.explain_chunk_kda(*args, **kw)
+    assert got.startswith("FLA: " + why), got
+
+
+def test_kda_with_grouped_values_goes_to_fla():
+    """GVA (more value heads than query heads) is FLA's alone."""
+    (q, k, v, g, beta), kw = kda_inputs()
+    rank_kda()
+    v2, g2, b2 = torch.cat([v, v], 2), torch.cat([g, g], 2), torch.cat([beta, beta], 2)
+    got = kfla.explain_chunk_kda(q, k, v2, g2, b2, **kw)
+    assert got.startswith("FLA: shapes q"), got
+
+
+def test_kda_with_evidence_kernelgate_serves_with_flas_return():
+    args, kw = kda_inputs()
+    rank_kda()
+    H, K = args[0].shape[2], args[0].shape[3]
+    o, state = kfla.chunk_kda(*args, scale=0.25, output_final_state=True, disable_recompute=True, **kw)
+    want_o, want_state = kg.kda(*args, kw["A_log"], kw["dt_bias"].view(H, K), None, 0.25)
+    assert torch.equal(o, want_o) and torch.equal(state, want_state) and state.dtype == torch.float32
+    o, state = kfla.chunk_kda(*args, **kw)
+    assert state is None and torch.equal(o, kg.kda(*args, kw["A_log"], kw["dt_bias"].view(H, K))[0])

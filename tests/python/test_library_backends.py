@@ -475,6 +475,7 @@ KERNELS = {
     ("causal_conv1d", "kernel_fun"): "cconv_fwd_strip",
     ("gated_delta_rule", "fla_chunk"): "chunk_fwd_kernel_o",
     ("gated_delta_rule", "fla_fused_recurrent"): "fused_recurrent_gated_delta_rule_fwd_kernel",
+    ("kda", "fla_chunk"): "chunk_gla_fwd_kernel_o",  # read in fla-core 0.6.0's chunk_kda_fwd, not yet seen run
 }
 
 

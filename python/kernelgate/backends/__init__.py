@@ -92,6 +92,9 @@ BACKENDS: List[LibraryBackend] = [
                    adapter="fla_gated_delta_rule"),
     LibraryBackend("fla", "gated_delta_rule", "fla_fused_recurrent", "fused_recurrent_fwd", None,
                    max_dims={"dk": 256}, adapter="fla_gated_delta_rule"),
+    # FLA's KDA, chunked (the same adapter module: the delta-rule family's calls and backward).
+    LibraryBackend("fla", "kda", "fla_chunk", "kda_chunk_fwd", "kda_chunk_bwd", max_dims={"dk": 256},
+                   adapter="fla_gated_delta_rule"),
 ]
 
 
