@@ -91,6 +91,8 @@ def _check_cu_seqlens(x: torch.Tensor, cu_seqlens, cu_seqlens_cpu, what: str) ->
     length, x [1, total, ...] (FLA's varlen layout). The offsets' values are read from
     cu_seqlens_cpu where it is given (no device sync: what it is for), else from cu_seqlens (one
     sync, where FLA reads them on the host too); under torch.compile the check is left to FLA."""
+    if cu_seqlens is None and cu_seqlens_cpu is None:  # every fixed-length call: nothing to do
+        return
     if torch.compiler.is_compiling() or not isinstance(x, torch.Tensor) or x.dim() < 3:
         return
     given = [(n, o, d) for n, o, d in (("cu_seqlens", cu_seqlens, x.device),

@@ -108,7 +108,8 @@ KNOWN_INCORRECT = {
     ("gated_delta_rule", "fla_chunk"): (
         lambda f: ON_GPU and f["grad"] == "0",
         "FLA's chunked forward computes with TF32 products in float32 and builds its final state "
-        "from 16-bit-rounded factors in float16 / bfloat16: outside the rule (its backward is refused "
+        "from 16-bit-rounded factors in float16 / bfloat16 (its o too, at some shapes): outside the rule "
+        "(its backward is refused "
         "on Hopper with Triton 3.4 to 3.7.0: KNOWN_REFUSALS)"),
     ("layer_norm", "kernelgate_cuda"): (
         lambda f: ON_GPU and _hidden_1(f) and f["dtype"] == "float32" and f["grad"] == "1",
@@ -557,16 +558,17 @@ def compiled_block(op, args):
 def check_compile(op, device):
     """Compiled once (fullgraph), run with each backend forced: forward and gradients equal to
     eager with the same backend. Without gradients too where a backend serves only such calls."""
-    no_grad_only = [b for o, b in forward_only(device) if o == op]
+    fwd_only = forward_only(device)
+    no_grad_only = [b for o, b in fwd_only if o == op]
     elsewhere = []  # backends that implement no call of the default form
     for grad in (True, False) if no_grad_only else (True,):
         (cid, enc), = [c for c in cases(op, regime="normal", layout="contiguous", optional="1", strings="",
                                         grad="1" if grad else "0") if fields(c[1])["dims"] == mid_dims(op)]
         args, _ = call_args(enc, device)
         named = backends(op, device) if grad else ["reference", *no_grad_only]
-        served = [b for b in named if serves(op, b, args) and not (grad and (op, b) in forward_only(device))]
+        served = [b for b in named if serves(op, b, args) and not (grad and (op, b) in fwd_only)]
         for backend in set(named) - set(served):
-            if (op, backend) in forward_only(device):
+            if (op, backend) in fwd_only:
                 continue
             library = any((b.op, b.name) == (op, backend) for b in kg.backends.BACKENDS)
             assert library, f"{backend} does not serve {cid}"
