@@ -108,13 +108,20 @@ def _as_kg(t: Optional[torch.Tensor]) -> KgTensor:
     return k
 
 
+def _is_tensor(t) -> bool:
+    """A Tensor or a Tensor? argument (whose type prints as Optional[Tensor])."""
+    if isinstance(t, torch.OptionalType):
+        t = t.getElementType()
+    return isinstance(t, torch.TensorType)
+
+
 def _split(schema: str, values: tuple, variants: dict) -> Tuple[List, List[float], List[int]]:
     """A call's arguments by kind, as the entry points take them."""
     args = torch._C.parse_schema(schema).arguments[:-1]  # the trailing needs is not the callables'
     tensors, scalars, strings = [], [], []
     for a, v in zip(args, values):
         kind = str(a.type)
-        if kind.startswith("Tensor"):
+        if _is_tensor(a.type):
             tensors.append(v)
         elif kind == "str":
             strings.append(variants[a.name].index(v))
@@ -128,7 +135,8 @@ def _meta(v):
 
 
 def wrap(info: dict, lib_path: str):
-    """(forward, backward or None) of the built library, in the Python backend protocol."""
+    """(forward, backward or None) of the built library, in the Python backend protocol; forward
+    takes needs_grad= (register it with grad_request=True)."""
     lib = ctypes.CDLL(lib_path)
     variants = dict(info["variant_args"])
     op = info["name"]
@@ -161,10 +169,10 @@ def wrap(info: dict, lib_path: str):
     if "kg_forward" not in entries:
         raise AttributeError("the library defines no kg_forward")
 
-    def forward(*args):
+    def forward(*args, needs_grad=()):
         split = _split(info["forward_schema"], args, variants)
         device = next(t for t in split[0] if t is not None).device
-        needs = sum(1 << i for i, t in enumerate(split[0]) if t is not None and t.requires_grad)
+        needs = sum(1 << i for i, name in enumerate(info["tensor_args"]) if name in needs_grad)
         metas = fwd_meta(*[_meta(a) for a in args], needs)
         metas = list(metas) if isinstance(metas, (tuple, list)) else [metas]
         results = [empty_like_meta(m, device) for m in (metas if needs else metas[:n_out])]

@@ -171,6 +171,14 @@ def cmd_loop(args) -> int:
     elif c == "log":
         out = loop.log(args.name, root=args.dir)
         text = "\n".join(["try  disposition speed  floor  reason"] + [_try_line(t) for t in out])
+    elif c == "compare":
+        out = loop.compare(args.name, args.against, root=args.dir, timeout=args.timeout)
+        rows = [[c["case"], f"{c['median_us']['against']:.1f}", f"{c['median_us'][loop.CANDIDATE]:.1f}",
+                 f"{c['median_us'][loop.CANDIDATE] / c['median_us']['against']:.3f}"]
+                for c in (out.get("timing") or {}).get("cases", [])]
+        text = f"{out['disposition']}: {out['reason']}"
+        if rows:
+            text += "\n" + _table(rows, ["case", f"{args.against} us", "incumbent us", "ratio"])
     else:
         out = loop.revert(args.name, root=args.dir)
         text = f"restored try {out['restored_try']} into the candidate file; its previous text is in {out['kept']}"
@@ -629,6 +637,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="DIM=N,... to time at (repeat; default: the grid's largest cases)")
     q = lp.add_parser("try", help="gate, probe and time the candidate file as it is now")
     q.add_argument("name")
+    q.add_argument("--timeout", type=_seconds(positive=True), default=900.0)
+    q = lp.add_parser("compare", help="time the incumbent against another backend of the op (as a try times)")
+    q.add_argument("name")
+    q.add_argument("--against", required=True, help="a backend of the op, e.g. kernelgate_cuda")
     q.add_argument("--timeout", type=_seconds(positive=True), default=900.0)
     for n, h in (("status", "the loop's state"), ("log", "every try"),
                  ("revert", "write the incumbent back into the candidate file")):

@@ -21,12 +21,18 @@ Each try, in order; the first that fails decides it and nothing after it runs:
    cache of earlier inputs, or stale memory left unwritten);
 4. timing: the incumbent (A), the candidate (B) and the incumbent again (A') interleaved, each
    repetition on one of four value sets copied into the same tensors, its result checked against
-   that set's oracle (both untimed); |log(A/A')| per case is the noise; a time under 0.8x what
-   copying the call's bytes takes is impossible (a result computed before the call: a cache) and
-   rejected;
+   that set's oracle (both untimed); on CUDA the device time of the call's work (a sleep kernel
+   holds the stream while the host enqueues it), the host's time recorded beside it;
+   |log(A/A')| per case is the noise; a time under 0.8x the case's limit is impossible (a result
+   computed before the call: a cache) and rejected. The limit is the longer of copying the call's
+   bytes and its matrix FLOPs (the reference's, by torch's flop counter) at the matmul rate, both
+   measured in the same run;
 5. decision: accepted when the geometric mean of B/A is below exp(-floor) and no case is above
    exp(+floor), where floor = max(NOISE_MIN, the largest A/A noise of the run). The first try
    that passes the gate and probes is the baseline (the first incumbent).
+
+``compare`` times the incumbent against another backend of the op (the shipped kernel, say) by
+the same protocol, on cases both pass.
 """
 
 import argparse
@@ -138,7 +144,8 @@ def status(name: str, root: Optional[str] = None) -> dict:
     for t in s["tries"]:
         counts[t["disposition"]] = counts.get(t["disposition"], 0) + 1
     return {"op": s["op"], "name": name, "source": s["source"], "device": s["device"], "dtypes": s["dtypes"],
-            "tries": len(s["tries"]), "dispositions": counts, "incumbent": s["incumbent"]}
+            "tries": len(s["tries"]), "dispositions": counts, "incumbent": s["incumbent"],
+            "comparisons": len(s.get("comparisons", []))}
 
 
 def log(name: str, root: Optional[str] = None) -> List[dict]:
@@ -159,6 +166,25 @@ def revert(name: str, root: Optional[str] = None) -> dict:
         shutil.copyfile(s["source"], kept)
     shutil.copyfile(os.path.join(d, s["incumbent"]["snapshot"]), s["source"])
     return {"name": name, "restored_try": s["incumbent"]["try"], "kept": kept}
+
+
+def compare(name: str, against: str, root: Optional[str] = None, timeout: float = 900.0) -> dict:
+    """Times the incumbent against another backend of the op (e.g. the shipped kernel) as a try
+    times it against the incumbent; recorded in the loop's state under comparisons."""
+    root = root_dir(root)
+    s = _load(root, name)
+    if s["incumbent"] is None:
+        raise ValueError(f"loop '{name}' has no incumbent yet: no try has passed")
+    d = _loop_dir(root, name)
+    with _locked(d):
+        spec = {"op": s["op"], "device": s["device"], "dtypes": s["dtypes"], "seed": secrets.randbits(31),
+                "time_shapes": s.get("time_shapes", []), "candidate": os.path.join(d, s["incumbent"]["snapshot"]),
+                "incumbent": None, "against": against, "build_dir": os.path.join(d, "builds", "compare")}
+        entry = {"time": _now(), "incumbent_try": s["incumbent"]["try"], **_run_worker(spec, timeout)}
+        s = _load(root, name)
+        s.setdefault("comparisons", []).append(entry)
+        _write_json(os.path.join(d, "state.json"), s)
+    return entry
 
 
 def _diff(old: str, new: str) -> dict:
@@ -256,8 +282,8 @@ def _load_module(path: str, tag: str):
 
 
 def _functions(kg, op: str, name: str, path: str, build_dir: str) -> tuple:
-    """(forward, backward, can_implement) of a candidate file: a Python module's, or a .cu file's
-    entry points built with nvcc (a compiler error is the build's result)."""
+    """(forward, backward, can_implement, grad_request) of a candidate file: a Python module's, or
+    a .cu file's entry points built with nvcc (a compiler error is the build's result)."""
     if path.endswith(".cu"):
         from . import _loop_cuda
 
@@ -266,17 +292,17 @@ def _functions(kg, op: str, name: str, path: str, build_dir: str) -> tuple:
             lib = _loop_cuda.build(path, os.path.join(build_dir, name))
         except RuntimeError as exc:
             raise Rejected("build_error", str(exc))
-        return (*_loop_cuda.wrap(info, lib), None)
+        return (*_loop_cuda.wrap(info, lib), None, True)
     m = _load_module(path, name)
-    return m.forward, getattr(m, "backward", None), getattr(m, "can_implement", None)
+    return m.forward, getattr(m, "backward", None), getattr(m, "can_implement", None), False
 
 
 def _register(kg, op: str, name: str, path: str, device: str, build_dir: str) -> None:
     import traceback
 
     try:
-        fwd, bwd, can = _functions(kg, op, name, path, build_dir)
-        kg.register_backend(op, name, fwd, bwd, can_implement=can, device=device)
+        fwd, bwd, can, grad_request = _functions(kg, op, name, path, build_dir)
+        kg.register_backend(op, name, fwd, bwd, can_implement=can, device=device, grad_request=grad_request)
     except Rejected:
         raise
     except Exception:  # noqa: BLE001 -- the candidate's error is the result, with its traceback
@@ -332,6 +358,16 @@ class _Case:
         cs = [c.to(o.device, o.dtype) for c, o in zip(cots, used)]
         grads = torch.autograd.grad(used, leaves, cs, allow_unused=True, materialize_grads=True)
         return outs + list(grads), cots
+
+    def placed(self, cots, args):
+        """The cotangents on the outputs' devices and dtypes, made once and untimed: a timed call
+        would otherwise copy them from the host (for a 16384 x 4096 output, 35 ms of PCIe
+        transfer hiding a kernel of 0.2 ms)."""
+        if cots is None:
+            return None
+        outs = self.reference(*args)
+        used = [o for o in (outs if isinstance(outs, (tuple, list)) else [outs]) if o.requires_grad]
+        return [c.to(o.device, o.dtype) for c, o in zip(cots, used)]
 
     def expected(self, enc=None):
         """(reference at the dtype, oracle) results, and the cotangents."""
@@ -436,22 +472,49 @@ def _refill(args, values) -> None:
 
 
 class _Timer:
+    """Times calls. On CUDA, a call's device time: a sleep kernel queued ahead of the start event
+    holds the stream while the host enqueues the call, so the events bracket the GPU's work and
+    not the host's launch path (a Python backend's host time would otherwise hide its kernel's
+    speed); the host's own time for the call is recorded apart. The sleep lasts twice the slowest
+    host time seen, 50 us at least, 20 ms at most. On the CPU, wall time, which is both."""
+
     def __init__(self, device: str):
         self.device = device
+        self.slowest_host_us = 0.0
+        self.cycles_per_us = 0.0
+
+    def _hold_stream(self) -> None:
+        if not self.cycles_per_us:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            for _ in range(2):  # the second, warm
+                a.record()
+                torch.cuda._sleep(1_000_000)
+                b.record()
+                b.synchronize()
+            self.cycles_per_us = 1_000_000 / max(a.elapsed_time(b) * 1e3, 1.0)
+        us = min(20_000.0, max(50.0, 2.0 * self.slowest_host_us))
+        torch.cuda._sleep(int(us * self.cycles_per_us))
 
     @contextlib.contextmanager
-    def __call__(self, out: list):
+    def __call__(self, out: list, host: Optional[list] = None):
         if self.device == "cuda":
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self._hold_stream()
             a.record()
+            t = time.perf_counter_ns()
             yield
+            host_us = (time.perf_counter_ns() - t) / 1e3
             b.record()
             b.synchronize()
+            self.slowest_host_us = max(self.slowest_host_us, host_us)
             out.append(a.elapsed_time(b) * 1e3)
         else:
             t = time.perf_counter_ns()
             yield
-            out.append((time.perf_counter_ns() - t) / 1e3)
+            host_us = (time.perf_counter_ns() - t) / 1e3
+            out.append(host_us)
+        if host is not None:
+            host.append(host_us)
 
 
 def _nbytes(ts) -> int:
@@ -470,29 +533,56 @@ def _copy_us(device: str, nbytes: int, timer: _Timer) -> float:
     return sorted(ts)[len(ts) // 2]
 
 
-def _time_case(case: _Case, cid: str, backends: List[str], timer: _Timer, seed: int, budget_s: float) -> dict:
-    """Interleaved repetitions of each backend, each on one of VALUE_SETS value sets copied into
-    the same tensors (untimed) and its result checked against that set's oracle (untimed)."""
+def _matmul_rate(device: str, dtype: torch.dtype, timer: _Timer) -> float:
+    """FLOP/s of a square matrix product in `dtype` on `device` (torch's own: cuBLAS on CUDA)."""
+    n = 8192 if device == "cuda" else 512
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    ts: list = []
+    for _ in range(8):
+        with timer(ts):
+            torch.mm(a, b)
+    return 2 * n ** 3 / (sorted(ts)[len(ts) // 2] * 1e-6)
+
+
+def _matrix_flops(case: "_Case") -> int:
+    """The FLOPs of the matrix products, convolutions and attention in the reference's call,
+    forward and, with gradients, backward (torch's flop counter; an op whose reference is one
+    opaque kernel counts none, and only the bytes bound its time)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    args, leaves = case.args()
+    with FlopCounterMode(display=False) as counter:
+        case.run(None, args, leaves)
+    return int(counter.get_total_flops())
+
+
+def _time_case(case: _Case, cid: str, backends: Dict[str, str], timer: _Timer, seed: int, budget_s: float) -> dict:
+    """Interleaved repetitions of each backend (label -> backend name: a label's twin may name the
+    same backend, for the A/A noise), each on one of VALUE_SETS value sets copied into the same
+    tensors (untimed) and its result checked against that set's oracle (untimed)."""
     args, leaves = case.args()
     sets = []
     for k in range(VALUE_SETS):
         enc = _reseed(cid, case.enc, seed + k)[1]
         values, _ = case.args(enc=enc)
         sets.append((values, *case.expected(enc=enc)))
-    cots = sets[0][3]
-    times: Dict[str, list] = {b: [] for b in backends}
+    cots = case.placed(sets[0][3], args)
+    labels = list(backends)
+    times: Dict[str, list] = {b: [] for b in labels}
+    host: Dict[str, list] = {b: [] for b in labels}
     op_fn = getattr(case.kg, case.op)
     traffic = 0
     start_t, rounds = time.monotonic(), 0
     while rounds < 3 * VALUE_SETS + 1 or (time.monotonic() - start_t < budget_s and rounds < 60):
-        for b in backends:
-            values, ref, ora, _ = sets[(rounds + backends.index(b)) % VALUE_SETS]
+        for i, b in enumerate(labels):
+            values, ref, ora, _ = sets[(rounds + i) % VALUE_SETS]
             _refill(args, values)
             _sync(case.device)
-            with case.kg.use(force={case.op: b}):  # entered untimed
+            with case.kg.use(force={case.op: backends[b]}):  # entered untimed
                 gc.disable()  # a collection inside the timed call is not the call's (as timeit)
                 try:
-                    with timer(times[b]):
+                    with timer(times[b], host[b]):
                         got, _ = case.call(op_fn, args, leaves, cots)
                 finally:
                     gc.enable()
@@ -500,13 +590,33 @@ def _time_case(case: _Case, cid: str, backends: List[str], timer: _Timer, seed: 
             if f:
                 raise Rejected("cheat" if b == CANDIDATE else "incorrect",
                                f"{cid}: while timed, on a fresh set of values: {f}"
-                               + (" (the incumbent)" if b != CANDIDATE else ""))
-            traffic = max(traffic, _nbytes(args) + _nbytes(got))
+                               + (f" ({backends[b]})" if b != CANDIDATE else ""))
+            traffic = max(traffic, _nbytes(args) + _nbytes(cots or []) + _nbytes(got))
             del got
         rounds += 1
     med = {b: sorted(t)[len(t) // 2] for b, t in times.items()}
-    return {"case": cid, "median_us": med, "reps": rounds, "bytes": traffic,
-            "copy_us": _copy_us(case.device, traffic, timer)}
+    return {"case": cid, "median_us": med, "host_median_us": {b: sorted(t)[len(t) // 2] for b, t in host.items()},
+            "reps": rounds, "bytes": traffic, "copy_us": _copy_us(case.device, traffic, timer),
+            "matrix_flops": _matrix_flops(case)}
+
+
+def _limits(per_case: List[dict], device: str, dtype: torch.dtype, timer: _Timer) -> None:
+    """Each case's limit_us: the longer of copying its bytes and its matrix FLOPs at the measured
+    matmul rate."""
+    rate = _matmul_rate(device, dtype, timer) if any(c["matrix_flops"] for c in per_case) else 0.0
+    for c in per_case:
+        c["flop_us"] = c["matrix_flops"] / rate * 1e6 if rate else 0.0
+        c["limit_us"] = max(c["copy_us"], c["flop_us"])
+
+
+def _impossible(per_case: List[dict], label: str) -> None:
+    for c in per_case:
+        if c["median_us"][label] < IMPOSSIBLE * c["limit_us"]:
+            bound = (f"copying its {c['bytes']} bytes" if c["limit_us"] == c["copy_us"]
+                     else f"its {c['matrix_flops']:.3g} matrix FLOPs at the measured matmul rate")
+            raise Rejected("cheat", f"{c['case']}: {c['median_us'][label]:.1f} us, under {IMPOSSIBLE:g}x the "
+                                    f"{c['limit_us']:.1f} us that {bound} takes: impossible (an output computed "
+                                    "before the timed call, e.g. from a cache)", timing={"cases": per_case})
 
 
 def worker(spec: dict) -> dict:
@@ -517,6 +627,8 @@ def worker(spec: dict) -> dict:
     _register(kg, op, CANDIDATE, spec["candidate"], device, spec["build_dir"])
     if device == "cuda" and not torch.cuda.is_available():
         raise Rejected("error", "the loop's device is cuda and no CUDA device is visible (it built)")
+    if spec.get("against"):
+        return _compare(kg, _C, spec, rng)
     if spec["incumbent"]:
         _register(kg, op, INCUMBENT, spec["incumbent"], device, spec["build_dir"])
 
@@ -539,49 +651,17 @@ def worker(spec: dict) -> dict:
         _probes(_Case(kg, _C, op, enc, device), cid)
     errors = {k: {"median": sorted(v)[len(v) // 2], "max": max(v)} for k, v in worst.items()}
 
-    # Timing: the loop's shapes, or the grid's largest contiguous cases of ordinary values; those
-    # the candidate implements.
-    timer = _Timer(device)
-    if spec["time_shapes"]:
-        big = _shape_cases(op, spec["time_shapes"], spec["dtypes"][0])
-    else:
-        made = _C.make_cases(op, "quick", dtypes=spec["dtypes"], max_elements=TIME_MAX_ELEMENTS[device])
-        big = [(cid, enc) for cid, enc in made if "/contiguous/normal/" in cid]
-        big.sort(key=lambda c: -_case_elements(c[1]))
-    timed = []
-    for cid, enc in big:
-        if len(timed) >= TIME_CASES:
-            break
-        cid, enc = _reseed(cid, enc, rng.randrange(1, 2 ** 31 - 1))
-        if _C.run_case(enc, CANDIDATE)["disposition"] == "passed":
-            timed.append((cid, enc))
-    if not timed:
-        raise Rejected("incorrect", "it passes none of the timing cases (the grid's largest)")
-    backends = [INCUMBENT, CANDIDATE, INCUMBENT + "_again"] if spec["incumbent"] else [CANDIDATE, CANDIDATE + "_again"]
-    for b in backends:
+    timed = _timing_cases(_C, spec, rng, [CANDIDATE])
+    # Each label's twin (_again) is built anew from its file: the A/A pair are two loads of one source.
+    labels = [INCUMBENT, CANDIDATE, INCUMBENT + "_again"] if spec["incumbent"] else [CANDIDATE, CANDIDATE + "_again"]
+    for b in labels:
         if b.endswith("_again"):
             first = b.removesuffix("_again")
             path = spec["candidate"] if first == CANDIDATE else spec["incumbent"]
-            fwd, bwd, _ = _functions(kg, op, b, path, spec["build_dir"])
-            kg.register_backend(op, b, fwd, bwd, device=device)
-    per_case = []
-    for cid, enc in timed:
-        per_case.append(_time_case(_Case(kg, _C, op, enc, device), cid, backends, timer,
-                                   rng.randrange(1, 2 ** 30), budget_s=1.0))
-    base, again = backends[0], backends[-1]
-    noise = max(abs(math.log(c["median_us"][base] / c["median_us"][again])) for c in per_case)
-    floor = max(NOISE_MIN, noise)
-    for c in per_case:
-        if c["median_us"][CANDIDATE] < IMPOSSIBLE * c["copy_us"]:
-            raise Rejected("cheat", f"{c['case']}: {c['median_us'][CANDIDATE]:.1f} us for {c['bytes']} bytes, "
-                                    f"under {IMPOSSIBLE:g}x the {c['copy_us']:.1f} us a copy of them takes: impossible "
-                                    "(an output computed before the timed call, e.g. from a cache)",
-                           timing={"cases": per_case})
-    ratios = [c["median_us"][CANDIDATE] / c["median_us"][base] for c in per_case]
-    geo = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
-    timing = {"cases": per_case, "noise_floor": floor, "aa_noise": noise, "ratios": ratios, "geomean": geo,
-              "candidate_us": [c["median_us"][CANDIDATE] for c in per_case],
-              "limit_fraction": [c["copy_us"] / c["median_us"][CANDIDATE] for c in per_case]}
+            fwd, bwd, _, grad_request = _functions(kg, op, b, path, spec["build_dir"])
+            kg.register_backend(op, b, fwd, bwd, device=device, grad_request=grad_request)
+    timing = _measure(kg, _C, spec, rng, timed, {b: b for b in labels})
+    floor, ratios, geo = timing["noise_floor"], timing["ratios"], timing["geomean"]
     common = {"gate_cases": len(gate), "gate_unsupported": unsupported, "errors": errors, "timing": timing}
     if not spec["incumbent"]:
         return {"disposition": "baseline", "reason": "the first try to pass: the incumbent", **common}
@@ -595,6 +675,62 @@ def worker(spec: dict) -> dict:
         why = (f"{1 / geo:.3f}x the incumbent, but a case takes {max(ratios):.3f}x its time, beyond the noise "
                f"floor of {floor * 100:.1f}%")
     return {"disposition": "rejected", "reason": why, **common}
+
+
+def _timing_cases(_C, spec: dict, rng: random.Random, must_pass: List[str]) -> List[tuple]:
+    """The loop's shapes, or the grid's largest contiguous cases of ordinary values: the first
+    TIME_CASES that every backend of must_pass passes."""
+    op, device = spec["op"], spec["device"]
+    if spec["time_shapes"]:
+        big = _shape_cases(op, spec["time_shapes"], spec["dtypes"][0])
+    else:
+        made = _C.make_cases(op, "quick", dtypes=spec["dtypes"], max_elements=TIME_MAX_ELEMENTS[device])
+        big = [(cid, enc) for cid, enc in made if "/contiguous/normal/" in cid]
+        big.sort(key=lambda c: -_case_elements(c[1]))
+    timed = []
+    for cid, enc in big:
+        if len(timed) >= TIME_CASES:
+            break
+        cid, enc = _reseed(cid, enc, rng.randrange(1, 2 ** 31 - 1))
+        if all(_C.run_case(enc, b)["disposition"] == "passed" for b in must_pass):
+            timed.append((cid, enc))
+    if not timed:
+        raise Rejected("incorrect", f"{' and '.join(must_pass)} pass none of the timing cases")
+    return timed
+
+
+def _measure(kg, _C, spec: dict, rng: random.Random, timed: List[tuple], backends: Dict[str, str]) -> dict:
+    """Times the cases: the first label is the base, the last its A/A twin, CANDIDATE the one judged."""
+    device = spec["device"]
+    timer = _Timer(device)
+    per_case = [_time_case(_Case(kg, _C, spec["op"], enc, device), cid, backends, timer, rng.randrange(1, 2 ** 30),
+                           budget_s=1.0) for cid, enc in timed]
+    _limits(per_case, device, getattr(torch, spec["dtypes"][0]), timer)
+    labels = list(backends)
+    base, again = labels[0], labels[-1]
+    noise = max(abs(math.log(c["median_us"][base] / c["median_us"][again])) for c in per_case)
+    _impossible(per_case, CANDIDATE)
+    ratios = [c["median_us"][CANDIDATE] / c["median_us"][base] for c in per_case]
+    return {"cases": per_case, "noise_floor": max(NOISE_MIN, noise), "aa_noise": noise, "ratios": ratios,
+            "geomean": math.exp(sum(math.log(r) for r in ratios) / len(ratios)),
+            "candidate_us": [c["median_us"][CANDIDATE] for c in per_case],
+            "candidate_host_us": [c["host_median_us"][CANDIDATE] for c in per_case],
+            "limit_fraction": [c["limit_us"] / c["median_us"][CANDIDATE] for c in per_case]}
+
+
+def _compare(kg, _C, spec: dict, rng: random.Random) -> dict:
+    """The incumbent (registered as the candidate) against another backend of the op, timed as a
+    try is, on cases both pass."""
+    against = spec["against"]
+    names = [b["name"] for b in next(o for o in kg.ops() if o["name"] == spec["op"])["backends"]]
+    if against not in names:
+        raise Rejected("error", f"against: {spec['op']} has no backend '{against}' (it has {', '.join(names)})")
+    timed = _timing_cases(_C, spec, rng, [CANDIDATE, against])
+    timing = _measure(kg, _C, spec, rng, timed, {"against": against, CANDIDATE: CANDIDATE,
+                                                 "against_again": against})
+    return {"disposition": "compared", "against": against,
+            "reason": f"the incumbent takes {timing['geomean']:.3f}x {against}'s time (geometric mean; A/A noise "
+                      f"{timing['aa_noise'] * 100:.1f}%)", "timing": timing}
 
 
 def _shape_cases(op: str, shapes: List[Dict[str, int]], dtype: str) -> List[tuple]:

@@ -95,6 +95,63 @@ def test_outputs_recognised_from_earlier_inputs_are_impossibly_fast(tmp_path):
     assert t["disposition"] == "cheat" and "impossible" in t["reason"], t
 
 
+def test_a_cached_result_is_impossibly_fast_against_the_matrix_flops(tmp_path):
+    """A cache keyed by copies and sums of every input moves as many bytes as an honest kernel, so
+    the bytes do not bound it; the matrix product's FLOPs at the matmul rate measured in the same
+    run do."""
+    root = str(tmp_path / "state")
+    loop.start("linear_cross_entropy", "lce", _candidate(tmp_path, "linear_cross_entropy_content_cache.py"),
+               time_shapes=[{"rows": 256, "hidden": 256, "classes": 4096}], root=root)
+    t = loop.try_("lce", root=root)
+    assert t["disposition"] == "cheat" and "matrix FLOPs" in t["reason"], t
+    caught = [c for c in t["timing"]["cases"] if c["median_us"][loop.CANDIDATE] < loop.IMPOSSIBLE * c["flop_us"]]
+    assert caught and all(c["matrix_flops"] >= 2 * 256 * 256 * 4096 for c in caught)
+    assert all(c["median_us"][loop.CANDIDATE] >= loop.IMPOSSIBLE * c["copy_us"] for c in caught)  # bytes: no bound
+
+
+def test_compare_times_the_incumbent_against_another_backend(tmp_path):
+    root = str(tmp_path / "state")
+    loop.start("swiglu", "cmp", _candidate(tmp_path, "swiglu_fast.py"), root=root)
+    with pytest.raises(ValueError, match="no incumbent yet"):
+        loop.compare("cmp", "reference", root=root)
+    assert loop.try_("cmp", root=root)["disposition"] == "baseline"
+    rc, out, err = _cli("loop", "compare", "cmp", "--against", "reference", "--dir", root, "--json")
+    assert rc == 0, err
+    c = json.loads(out)
+    assert c["disposition"] == "compared" and c["against"] == "reference" and c["incumbent_try"] == 1, c
+    cases = c["timing"]["cases"]
+    assert cases and c["timing"]["ratios"] == [x["median_us"][loop.CANDIDATE] / x["median_us"]["against"]
+                                               for x in cases]
+    assert all(x["median_us"]["against_again"] > 0 and x["host_median_us"][loop.CANDIDATE] > 0 for x in cases)
+    assert loop.status("cmp", root=root)["comparisons"] == 1
+    bad = loop.compare("cmp", "nosuch", root=root)
+    assert bad["disposition"] == "error" and "no backend 'nosuch'" in bad["reason"], bad
+
+
+def test_a_cuda_candidates_arguments_are_split_by_kind_optional_tensors_included():
+    """A .cu candidate gets every tensor argument, a Tensor? one too (absent: None, data NULL), in
+    the tensor list; floats and ints as scalars; str arguments as their variant's index."""
+    import torch
+
+    from kernelgate import _loop_cuda
+
+    ops = {o["name"]: o for o in __import__("kernelgate").ops()}
+    x, w, dy, rstd = torch.ones(2, 8), torch.ones(8), torch.ones(2, 8), torch.ones(2)
+    def split(schema, values, variants=None):  # tensors by identity
+        tensors, scalars, strings = _loop_cuda._split(schema, values, variants or {})
+        return [None if t is None else id(t) for t in tensors], scalars, strings
+
+    fwd = ops["rms_norm"]["forward_schema"]
+    assert split(fwd, (x, w, 1e-6)) == ([id(x), id(w)], [1e-6], [])
+    assert split(fwd, (x, None, 0.5)) == ([id(x), None], [0.5], [])
+    assert split(ops["rms_norm"]["backward_schema"], (dy, x, None, rstd, 0.5)) == ([id(dy), id(x), None, id(rstd)],
+                                                                                  [0.5], [])
+    lce = ops["linear_cross_entropy"]
+    h, t, v = torch.ones(2, 8), torch.zeros(2, dtype=torch.long), torch.ones(1, 8)
+    assert split(lce["forward_schema"], (h, v, t, None, -100, 0.1, "sum"), dict(lce["variant_args"])) == (
+        [id(h), id(v), id(t), None], [-100.0, 0.1], [1])
+
+
 @pytest.mark.parametrize("name,disposition,reason", [
     ("swiglu_syntax_error.py", "build_error", "SyntaxError"),
     ("swiglu_exits.py", "crashed", "exited with status 3"),
@@ -126,6 +183,34 @@ def test_a_cuda_candidate_is_built_with_nvcc_and_its_compiler_errors_are_the_fee
     loop.start("rms_norm", "broken", str(tmp_path / "broken.cu"), device="cuda", root=root)
     t = loop.try_("broken", root=root)
     assert t["disposition"] == "build_error" and "nvcc failed" in t["reason"] and "undeclared_name" in t["reason"], t
+
+
+def test_the_demo_edits_apply_in_order_and_each_builds(tmp_path):
+    """bench/loop_demo.py's patches apply in order to the naive kernel (an edit the demo expects the
+    loop to refuse is applied, then dropped, as the loop's revert does) and each result builds; a
+    patch that no longer applies raises, naming its hunk."""
+    import importlib.util
+
+    from kernelgate import _loop_cuda
+
+    bench = os.path.join(HERE, "..", "..", "..", "bench")
+    spec = importlib.util.spec_from_file_location("loop_demo", os.path.join(bench, "loop_demo.py"))
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    patches = sorted(os.listdir(os.path.join(bench, "loop_demo")))
+    assert [p[:-len(".patch")] for p in patches] == sorted(demo.EXPECTED)
+    with open(os.path.join(HERE, "rms_norm_naive.cu")) as f:
+        incumbent = f.read()
+    for p in patches:
+        with open(os.path.join(bench, "loop_demo", p)) as f:
+            text = demo.apply_patch(incumbent, f.read())
+        src = tmp_path / p.replace(".patch", ".cu")
+        src.write_text(text)
+        assert os.path.exists(_loop_cuda.build(str(src), str(tmp_path / p)))
+        if demo.EXPECTED[p[:-len(".patch")]] == "accepted":
+            incumbent = text
+    with pytest.raises(ValueError, match="does not apply"):
+        demo.apply_patch("nothing like it\n", open(os.path.join(bench, "loop_demo", patches[0])).read())
 
 
 def test_loop_errors(tmp_path):
