@@ -284,10 +284,39 @@ def _rerank_op(args, op: str, lenders: List[str], only) -> dict:
     return total
 
 
+def _run_on_gpus(args, grid: str) -> int:
+    from . import sweeps
+
+    try:
+        gpus = sweeps.resolve_gpus(args.gpus)
+        if args.command == "validate":
+            command = ["validate", args.op] + (["--quick"] if args.quick else [])
+        else:
+            command = ["bench", "run", args.op, "--grid", grid]
+        i, n = args.shard
+        out = sweeps.run_on_gpus([*command, *_common_sweep_argv(args), "--db", _db(args), "--shard", f"{i}/{n}"],
+                                 gpus)
+    except (RuntimeError, ValueError) as exc:
+        raise SystemExit(f"kernelgate: {exc}")
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    for k, r in enumerate(out["rounds"]):
+        for g, res in r.items():
+            print(f"round {k + 1}, GPU {g}: " + (res["error"] if "error" in res else "done"))
+    for op, r in out["ops"].items():
+        disp = ", ".join(f"{k} {v}" for k, v in sorted(r["dispositions"].items())) or "nothing new"
+        print(f"{op}: {r.get('not_swept') or disp}; fingerprints {', '.join(f[:12] for f in r['fingerprint_ids'])}")
+    print(f"evidence in {_db(args)}")
+    return 0
+
+
 def _run_sweep(args, time: bool, rerank=None) -> int:
     """rerank: (lenders, op -> its rerank plan) to time what borrowed evidence shows correct;
     else every run of the grid."""
     grid = "quick" if getattr(args, "quick", False) else getattr(args, "grid", "quick")
+    if getattr(args, "gpus", None) is not None:
+        return _run_on_gpus(args, grid)
     if rerank is None:
         _load_plugins(args.load)
     reports = {}
@@ -315,6 +344,27 @@ def _run_sweep(args, time: bool, rerank=None) -> int:
               f"{r['seconds']:.1f} s, {r['worker_restarts']} worker restarts")
     if any("not_swept" not in r for r in reports.values()):
         print(f"evidence in {_db(args)}")
+    return 0
+
+
+def cmd_bench_submit(args) -> int:
+    """Writes a Slurm job array of `kernelgate bench run` shards, each into its own store, and
+    submits it (kernelgate.sweeps)."""
+    from . import sweeps
+
+    _ops_for(args.op)
+    sweep = ["bench", "run", args.op, "--grid", args.grid, *_common_sweep_argv(args)]
+    try:
+        script = sweeps.write_job(args.out, sweep, args.shards, args.name, args.sbatch)
+        out = {"script": script, "job_id": None} if args.no_submit else sweeps.submit(script)
+    except (RuntimeError, ValueError, OSError) as exc:
+        raise SystemExit(f"kernelgate bench submit: {exc}")
+    out["merge"] = f"kernelgate db merge {os.path.join(os.path.abspath(args.out), 'shard-*.sqlite')} --db MERGED.sqlite"
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print(f"wrote {script}" + (f"; submitted as job {out['job_id']}" if out.get("job_id") else "")
+              + f"\nwhen every task has ended: {out['merge']}")
     return 0
 
 
@@ -409,6 +459,7 @@ def cmd_doctor(args) -> int:
     st["policy"] = _C.describe_policy()
     st["cuda_available"] = torch.cuda.is_available()
     st["backends"] = {o["name"]: {b["name"]: (b["available"], b["reason"]) for b in o["backends"]} for o in kg.ops()}
+    st["shipped"] = kg.evidence.shipped_coverage()
     if args.json:
         print(json.dumps(st, indent=2))
         return 0
@@ -424,6 +475,9 @@ def cmd_doctor(args) -> int:
         for s in st["stale"]:
             print(f"  stale: {s['results']} results from {s['gpu_name']} ({s['id'][:12]}): "
                   + "; ".join(s["why_stale"]))
+    for m in st["shipped"]:
+        print(f"shipped evidence: {m['gpu_name']}: {m['results']} results, {len(m['ops'])} ops "
+              f"({', '.join(sorted(m['ops']))})")
     print(f"policy: {st['policy']}")
     if "borrowed from" in st["policy"]:
         print("  borrowed evidence proves correctness only: `kernelgate rerank` times it on this GPU")
@@ -537,7 +591,31 @@ def _add_sweep_args(p, timing: bool) -> None:
     _add_load_arg(p)
     p.add_argument("--db", default=None, help="store file (default: KERNELGATE_DB or the cache directory)")
     p.add_argument("--shard", type=_shard, default=(0, 1), help="i/N: run every N-th case starting at i")
+    p.add_argument("--gpus", type=_gpus, default=None,
+                   help="'all' or 0,1,...: a sweep process per GPU, sharing the cases through the store")
     p.add_argument("--json", action="store_true")
+
+
+def _gpus(text: str):
+    from .sweeps import gpu_list
+
+    try:
+        return gpu_list(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc))
+
+
+def _common_sweep_argv(args) -> List[str]:
+    """The sweep options of args as command-line arguments (for the processes a sweep starts)."""
+    out = []
+    for b in args.backend:
+        out += ["--backend", b]
+    for d in args.dtype:
+        out += ["--dtype", d]
+    for item in args.load:
+        out += ["--load", item]
+    return out + ["--seeds", str(args.seeds), "--case-timeout", repr(args.case_timeout),
+                  "--time-cap", repr(args.time_cap)]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -568,6 +646,24 @@ def main(argv: Optional[List[str]] = None) -> int:
     _add_sweep_args(p, timing=True)
     p.add_argument("--grid", choices=["smoke", "quick", "full"], default="quick")
     p.set_defaults(fn=cmd_bench_run)
+    p = bench.add_parser("submit", help="a Slurm job array: shard i of N of a sweep per task, each into its "
+                                        "own store (then kernelgate db merge)")
+    p.add_argument("op", help="an op name, or 'all'")
+    p.add_argument("--shards", type=_count, required=True, help="array tasks (>= 1)")
+    p.add_argument("--out", required=True, help="folder for the script, the shards' stores and logs")
+    p.add_argument("--grid", choices=["smoke", "quick", "full"], default="full")
+    p.add_argument("--backend", action="append", default=[])
+    p.add_argument("--dtype", action="append", default=[], choices=sorted(DTYPES))
+    p.add_argument("--seeds", type=_count, default=1)
+    p.add_argument("--case-timeout", type=_seconds(positive=True), default=120.0)
+    p.add_argument("--time-cap", type=_seconds(positive=False), default=1.0)
+    _add_load_arg(p)
+    p.add_argument("--sbatch", action="append", default=[], help="an sbatch option for every task, e.g. "
+                                                                 "--sbatch=--partition=gpu (repeat)")
+    p.add_argument("--name", default="kernelgate-sweep", help="the job's name")
+    p.add_argument("--no-submit", action="store_true", help="write the script only")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_bench_submit)
 
     p = sub.add_parser("rerank", help="time on this GPU what evidence borrowed from another GPU "
                                       "of its architecture shows correct")

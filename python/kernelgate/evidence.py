@@ -11,7 +11,7 @@ import os
 import sys
 import tempfile
 import warnings
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 from . import _C
 
@@ -35,6 +35,28 @@ def shipped_paths() -> List[str]:
         if path is not None:
             found.append(path)
     return found
+
+
+def shipped_coverage(paths: Optional[List[str]] = None) -> List[dict]:
+    """The GPU models the shipped evidence covers: per model (its rows' GPU name, whatever file
+    they are in: a file merged from several models keeps each one's rows under its fingerprint),
+    the ops and the number of results."""
+    models: Dict[str, dict] = {}
+    for path in shipped_paths() if paths is None else paths:
+        st = _C.store_status(path)
+        if not st["usable"]:
+            continue
+        stem = os.path.basename(path).split(".")[0].split("-")
+        op = stem[1] if len(stem) >= 2 else stem[0]
+        found = [(f["gpu_name"], f["results"]) for f in st["stale"]]
+        if st["current_results"]:
+            found.append((st["fingerprint"]["gpu_name"], st["current_results"]))
+        for gpu, n in found:
+            m = models.setdefault(gpu, {"gpu_name": gpu, "ops": [], "results": 0})
+            if op not in m["ops"]:
+                m["ops"].append(op)
+            m["results"] += n
+    return sorted(models.values(), key=lambda m: m["gpu_name"])
 
 
 def _cache_dirs() -> List[str]:
