@@ -7,6 +7,7 @@ user store; prints and writes the time, the runs and the policy's standing after
 """
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
@@ -33,6 +34,13 @@ def as_foreign(src, dst, work, **change):
     for row in doc["runs"] + doc["results"]:
         if "fingerprint_id" in row:
             row["fingerprint_id"] = ids[row["fingerprint_id"]]
+    # Another device's runs are runs of their own (a run id is unique to one sweep): a merge of
+    # the two stores keeps both.
+    runs = {r["uuid"]: hashlib.sha256(("foreign" + r["uuid"]).encode()).hexdigest()[:32] for r in doc["runs"]}
+    for r in doc["runs"]:
+        r["uuid"] = runs[r["uuid"]]
+    for r in doc["results"]:
+        r["run_uuid"] = runs.get(r["run_uuid"], r["run_uuid"])
     with open(path, "w") as f:
         json.dump(doc, f)
     if cli.main(["db", "import", path, "--db", dst]) != 0:

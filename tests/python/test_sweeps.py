@@ -179,3 +179,22 @@ def test_doctor_lists_the_gpu_models_the_shipped_evidence_covers(capsys):
     capsys.readouterr()
     assert cli.main(["doctor"]) == 0
     assert "shipped evidence: NVIDIA H200:" in capsys.readouterr().out
+
+
+def test_stores_of_two_gpu_models_merge_into_one_file_each_model_apart(tmp_path, capsys):
+    """A file merged from two devices' stores keeps each one's rows under its fingerprint, and the
+    coverage doctor prints names both models."""
+    from test_borrowed_evidence import FOREIGN, _as_foreign
+
+    here, foreign = str(tmp_path / "here.sqlite"), str(tmp_path / "foreign.sqlite")
+    assert cli.main(["validate", *SWEEP, "--shard", "0/6", "--db", here, "--json"]) == 0
+    _as_foreign(here, foreign, tmp_path, gpu_name=FOREIGN, sm_count=7)
+    merged = str(tmp_path / "two-rms_norm.sqlite")
+    for s in (here, foreign):
+        run(capsys, "db", "merge", s, "--db", merged)
+    n = len(stored(here))
+    assert len(stored(merged)) == 2 * n  # the same runs, once per device
+    local = kg._C.fingerprint("rms_norm")["gpu_name"]
+    coverage = {m["gpu_name"]: m for m in kg.evidence.shipped_coverage([merged])}
+    assert set(coverage) == {local, FOREIGN}
+    assert all(m["results"] == n and m["ops"] == ["rms_norm"] for m in coverage.values())
