@@ -579,6 +579,17 @@ def _shard(text: str):
 
 
 def _add_sweep_args(p, timing: bool) -> None:
+    _add_sweep_options(p, timing)
+    p.add_argument("--db", default=None, help="store file (default: KERNELGATE_DB or the cache directory)")
+    p.add_argument("--shard", type=_shard, default=(0, 1), help="i/N: run every N-th case starting at i")
+    p.add_argument("--gpus", type=_gpus, default=None,
+                   help="'all' or 0,1,...: a sweep process per GPU, sharing the cases through the store")
+    p.add_argument("--json", action="store_true")
+
+
+def _add_sweep_options(p, timing: bool) -> None:
+    """What a sweep runs (the op, backends, dtypes, seeds, time limits, plugins): `_common_sweep_argv`
+    writes them back as arguments."""
     p.add_argument("op", help="an op name, or 'all'")
     p.add_argument("--backend", action="append", default=[], help="repeat for several; default all")
     p.add_argument("--dtype", action="append", default=[], choices=sorted(DTYPES))
@@ -589,11 +600,6 @@ def _add_sweep_args(p, timing: bool) -> None:
     p.add_argument("--time-cap", type=_seconds(positive=False), default=1.0 if timing else 0.0,
                    help="seconds of timing per run (>= 0)")
     _add_load_arg(p)
-    p.add_argument("--db", default=None, help="store file (default: KERNELGATE_DB or the cache directory)")
-    p.add_argument("--shard", type=_shard, default=(0, 1), help="i/N: run every N-th case starting at i")
-    p.add_argument("--gpus", type=_gpus, default=None,
-                   help="'all' or 0,1,...: a sweep process per GPU, sharing the cases through the store")
-    p.add_argument("--json", action="store_true")
 
 
 def _gpus(text: str):
@@ -648,16 +654,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.set_defaults(fn=cmd_bench_run)
     p = bench.add_parser("submit", help="a Slurm job array: shard i of N of a sweep per task, each into its "
                                         "own store (then kernelgate db merge)")
-    p.add_argument("op", help="an op name, or 'all'")
+    _add_sweep_options(p, timing=True)
     p.add_argument("--shards", type=_count, required=True, help="array tasks (>= 1)")
     p.add_argument("--out", required=True, help="folder for the script, the shards' stores and logs")
     p.add_argument("--grid", choices=["smoke", "quick", "full"], default="full")
-    p.add_argument("--backend", action="append", default=[])
-    p.add_argument("--dtype", action="append", default=[], choices=sorted(DTYPES))
-    p.add_argument("--seeds", type=_count, default=1)
-    p.add_argument("--case-timeout", type=_seconds(positive=True), default=120.0)
-    p.add_argument("--time-cap", type=_seconds(positive=False), default=1.0)
-    _add_load_arg(p)
     p.add_argument("--sbatch", action="append", default=[], help="an sbatch option for every task, e.g. "
                                                                  "--sbatch=--partition=gpu (repeat)")
     p.add_argument("--name", default="kernelgate-sweep", help="the job's name")

@@ -117,7 +117,7 @@ SBATCH_TEMPLATE = """#!/bin/bash
 #SBATCH --gpus-per-task=1
 #SBATCH --output={out}/shard-%a.log
 {extra}
-# Written by kernelgate bench submit: shard i of {n} of `kernelgate {what}` into a store of its own.
+# Written by kernelgate bench submit: shard i of {n} of `kernelgate {sweep}` into a store of its own.
 # When every task has ended: kernelgate db merge {out}/shard-*.sqlite --db MERGED.sqlite
 set -euo pipefail
 exec {python} -m kernelgate.cli {sweep} --shard "$SLURM_ARRAY_TASK_ID/{n}" --db "{out}/shard-$SLURM_ARRAY_TASK_ID.sqlite"
@@ -136,7 +136,7 @@ def write_job(out_dir: str, sweep_args: Sequence[str], shards: int, name: str = 
     os.makedirs(out, exist_ok=True)
     sweep = " ".join(shlex.quote(a) for a in sweep_args)
     text = SBATCH_TEMPLATE.format(name=name, last=shards - 1, n=shards, out=out, python=shlex.quote(sys.executable),
-                                  sweep=sweep, what=sweep, extra="\n".join(f"#SBATCH {o}" for o in sbatch_options))
+                                  sweep=sweep, extra="\n".join(f"#SBATCH {o}" for o in sbatch_options))
     path = os.path.join(out, "sweep.sbatch")
     with open(path, "w") as f:
         f.write(text)
