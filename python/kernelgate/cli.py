@@ -284,6 +284,10 @@ def _rerank_op(args, op: str, lenders: List[str], only) -> dict:
     return total
 
 
+def _dispositions(counts: Dict[str, int]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "nothing new"
+
+
 def _run_on_gpus(args, grid: str) -> int:
     from . import sweeps
 
@@ -305,7 +309,7 @@ def _run_on_gpus(args, grid: str) -> int:
         for g, res in r.items():
             print(f"round {k + 1}, GPU {g}: " + (res["error"] if "error" in res else "done"))
     for op, r in out["ops"].items():
-        disp = ", ".join(f"{k} {v}" for k, v in sorted(r["dispositions"].items())) or "nothing new"
+        disp = _dispositions(r["dispositions"])
         print(f"{op}: {r.get('not_swept') or disp}; fingerprints {', '.join(f[:12] for f in r['fingerprint_ids'])}")
     print(f"evidence in {_db(args)}")
     return 0
@@ -339,7 +343,7 @@ def _run_sweep(args, time: bool, rerank=None) -> int:
         if "not_swept" in r:
             print(f"{op}: not swept: {r['not_swept']}")
             continue
-        disp = ", ".join(f"{k} {v}" for k, v in sorted(r["dispositions"].items())) or "nothing new"
+        disp = _dispositions(r["dispositions"])
         print(f"{op}: {r['planned']} runs ({r['skipped']} already stored), {disp}; "
               f"{r['seconds']:.1f} s, {r['worker_restarts']} worker restarts")
     if any("not_swept" not in r for r in reports.values()):

@@ -517,6 +517,11 @@ class _Timer:
             host.append(host_us)
 
 
+def _median(xs) -> float:
+    """The upper median (the middle sample, no averaging)."""
+    return sorted(xs)[len(xs) // 2]
+
+
 def _nbytes(ts) -> int:
     return sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor))
 
@@ -530,7 +535,7 @@ def _copy_us(device: str, nbytes: int, timer: _Timer) -> float:
     for _ in range(15):
         with timer(ts):
             dst.copy_(src)
-    return sorted(ts)[len(ts) // 2]
+    return _median(ts)
 
 
 def _matmul_rate(device: str, dtype: torch.dtype, timer: _Timer) -> float:
@@ -542,7 +547,7 @@ def _matmul_rate(device: str, dtype: torch.dtype, timer: _Timer) -> float:
     for _ in range(8):
         with timer(ts):
             torch.mm(a, b)
-    return 2 * n ** 3 / (sorted(ts)[len(ts) // 2] * 1e-6)
+    return 2 * n ** 3 / (_median(ts) * 1e-6)
 
 
 def _matrix_flops(case: "_Case") -> int:
@@ -594,8 +599,8 @@ def _time_case(case: _Case, cid: str, backends: Dict[str, str], timer: _Timer, s
             traffic = max(traffic, _nbytes(args) + _nbytes(cots or []) + _nbytes(got))
             del got
         rounds += 1
-    med = {b: sorted(t)[len(t) // 2] for b, t in times.items()}
-    return {"case": cid, "median_us": med, "host_median_us": {b: sorted(t)[len(t) // 2] for b, t in host.items()},
+    return {"case": cid, "median_us": {b: _median(t) for b, t in times.items()},
+            "host_median_us": {b: _median(t) for b, t in host.items()},
             "reps": rounds, "bytes": traffic, "copy_us": _copy_us(case.device, traffic, timer),
             "matrix_flops": _matrix_flops(case)}
 
@@ -649,7 +654,7 @@ def worker(spec: dict) -> dict:
     # The probes refill tensors in place and guard them: dense (contiguous) cases.
     for cid, enc in [c for c in passed if "/contiguous/" in c[0]][:6]:
         _probes(_Case(kg, _C, op, enc, device), cid)
-    errors = {k: {"median": sorted(v)[len(v) // 2], "max": max(v)} for k, v in worst.items()}
+    errors = {k: {"median": _median(v), "max": max(v)} for k, v in worst.items()}
 
     timed = _timing_cases(_C, spec, rng, [CANDIDATE])
     # Each label's twin (_again) is built anew from its file: the A/A pair are two loads of one source.
