@@ -66,9 +66,9 @@ def test_faster_is_accepted_slower_rejected_and_reverted(tmp_path):
 
 CHEATS = [
     # (file, dispositions it may get, what the reason says)
-    ("swiglu_cache_by_shape.py", {"incorrect", "cheat"}, r"error|NaN pattern|earlier call"),
-    ("swiglu_later_thread.py", {"incorrect", "cheat"}, r"error|NaN pattern|after the call returned"),
-    ("swiglu_partial_write.py", {"incorrect", "cheat"}, r"error|NaN pattern|earlier call"),
+    ("swiglu_cache_by_shape.py", {"incorrect", "cheat"}, r"error|(NaN|Inf) pattern|earlier call"),
+    ("swiglu_later_thread.py", {"incorrect", "cheat"}, r"error|(NaN|Inf) pattern|after the call returned"),
+    ("swiglu_partial_write.py", {"incorrect", "cheat"}, r"error|(NaN|Inf) pattern|earlier call"),
     ("swiglu_modifies_input.py", {"cheat"}, r"it modifies its input up"),
     ("swiglu_reads_past_its_tensor.py", {"incorrect", "cheat"}, r"NaN pattern"),
 ]
