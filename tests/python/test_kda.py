@@ -168,12 +168,29 @@ def _gpu_check(backend, shape, dtype, grad):
         check_against_oracle(n, g_, r, o.to(g_.device), dtype)
 
 
+# Read on the H200 (2026-12-03, fla-core 0.6.0, triton 3.6): FLA's chunk_kda forward is outside
+# the oracle rule at every tested shape, as its gated delta rule is: in float32 o has a relative L2
+# error of 8.5e-4 to 1.1e-3 (TF32 products; the float32 reference 1.3e-7 to 1.9e-7), in bfloat16
+# its final state a max error / rms of 1.3e-2 to 7.4e-2 (floor 7.8e-3; the reference 4e-7 to
+# 2.3e-6). The sweep ranks it out; kernelgate.fla sends chunk_kda calls to FLA verbatim unless
+# evidence ranks a kernel of kernelgate's.
+_FLA_CHUNK_FORWARD = pytest.mark.xfail(strict=True, reason="FLA's chunk_kda forward: TF32 in float32, a "
+                                       "bf16-level final state in bfloat16 (read on the H200)")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["reference", "fla_chunk"])
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("grad", [False, True], ids=["fwd", "fwdbwd"])
-def test_gpu_backend_against_the_oracle(backend, shape, dtype, grad):
+def test_gpu_backend_against_the_oracle(backend, shape, dtype, grad, request):
     if backend != "reference":
         pytest.importorskip("fla")
+    if backend == "fla_chunk":
+        if grad and dtype == torch.float32:
+            # Its forward fails (the fwd case), and its float32 backward's first calls autotuned
+            # past the 240 s test limit at every shape (2026-12-03, fla-core 0.6.0, triton 3.6).
+            pytest.xfail("not run: FLA's chunk_kda forward fails the oracle in float32 (the fwd case) "
+                         "and its float32 backward autotunes for minutes")
+        request.applymarker(_FLA_CHUNK_FORWARD)
     _gpu_check(backend, shape, dtype, grad)
