@@ -18,6 +18,7 @@ from ._ops import geglu, rms_norm, swiglu
 from ._ops import add_rms_norm, layer_norm
 from ._ops import qk_norm_rope, rope
 from ._ops import cross_entropy, linear_cross_entropy
+from ._ops import attention
 from .gated_delta_rule import gated_delta_rule  # defined from Python, before its library backends
 from .kda import kda
 from . import backends, evidence, policy
@@ -27,7 +28,7 @@ __all__ = ["rms_norm", "swiglu", "geglu", "explain", "ops", "use", "policy", "ev
 __all__ += ["define_op", "register_backend", "warmup", "Warmup"]
 __all__ += ["add_rms_norm", "layer_norm"]
 __all__ += ["rope", "qk_norm_rope"]
-__all__ += ["cross_entropy", "linear_cross_entropy", "gated_delta_rule", "kda"]
+__all__ += ["cross_entropy", "linear_cross_entropy", "gated_delta_rule", "kda", "attention"]
 
 install_log_hook()
 backends.install()  # the field's libraries (not imported until used)

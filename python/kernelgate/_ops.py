@@ -37,6 +37,7 @@ _rope = routed("rope")
 _qk_norm_rope = routed("qk_norm_rope")
 _cross_entropy = routed("cross_entropy")
 _linear_cross_entropy = routed("linear_cross_entropy")
+_attention = routed("attention")
 
 
 def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, eps: float = 1e-6) -> torch.Tensor:
@@ -146,3 +147,30 @@ def linear_cross_entropy(
     second time (retain_graph=True) is refused for these reductions.
     """
     return _linear_cross_entropy(hidden, weight, target, bias, ignore_index, label_smoothing, reduction)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+              scale: Optional[float] = None) -> torch.Tensor:
+    """Softmax attention, as ``F.scaled_dot_product_attention(q, k, v, is_causal=causal,
+    scale=scale, enable_gqa=True)``: q [batch, heads, seq, head_dim], k and v [batch, kv_heads,
+    seq, head_dim] with heads a multiple of kv_heads (query head h reads kv head
+    h // (heads // kv_heads)); scale None means 1 / sqrt(head_dim); returns [batch, heads, seq,
+    head_dim] in q's dtype. causal masks key j > query i (q and k of one length).
+
+    The routed op is ``attention`` with q grouped by kv head, [batch, kv_heads, group, seq,
+    head_dim], a view of this q (``kg.explain("attention", ...)`` takes that form).
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            got = f"a {t.dim()}-D tensor of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"kg.attention: {name} must be a 4-D tensor [batch, heads, seq, head_dim], got {got}")
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if kv_heads == 0 or heads % kv_heads != 0:
+        raise ValueError(f"kg.attention: q's heads must be a multiple of k's kv_heads (grouped-query "
+                         f"attention), got q of shape {tuple(q.shape)} and k of shape {tuple(k.shape)}")
+    if scale is not None and (not isinstance(scale, (int, float)) or isinstance(scale, bool) or scale == 0):
+        raise ValueError(f"kg.attention: scale must be a non-zero number, or None for 1 / sqrt(head_dim); got {scale!r}")
+    b, _, s, d = q.shape
+    o = _attention(q.view(b, kv_heads, heads // kv_heads, s, d), k, v, "causal" if causal else "none",
+                   0.0 if scale is None else float(scale))
+    return o.view(b, heads, s, o.shape[-1])

@@ -24,6 +24,7 @@ that op's own test file. pyops_example.py holds the Python-defined op and Python
 import json
 import os
 import math
+import re
 
 import pytest
 import torch
@@ -88,7 +89,27 @@ def _either(*entries):
     return (lambda f: any(e[0](f) for e in entries), "; or ".join(e[1] for e in entries))
 
 
+# Attention's fused kernels (ATen's flash, cuDNN and memory-efficient), read on the H200: at
+# 'large' values of a sequence of 1 or 2 the softmax is one-hot, so the gradients of q and k are
+# exactly 0 (float64) up to rounding; the kernels' backward takes D = rowsum(dO o) from the
+# 16-bit-rounded o, and dP - D is that rounding (bfloat16 grad of q 2.4e30 relative to a 1e-30
+# oracle, grad of k 4.3e-2 where the budget is 7.8e-3; float16 4.3e-3 against 9.8e-4).
+_ATTENTION_ONE_HOT = (
+    lambda f: ON_GPU and f["regime"] == "large" and f["grad"] == "1" and _dim(f, "seq") <= 2
+    and f["dtype"] != "float32",
+    "at 'large' values of a sequence of 1 or 2 the softmax is one-hot and the gradients of q and k "
+    "are 0 up to rounding: the fused backward's D = rowsum(dO o), from the 16-bit-rounded o, "
+    "leaves that rounding in dP - D (up to 5e-2 relative where the budget is 7.8e-3)")
+
 KNOWN_INCORRECT = {
+    ("attention", "aten_flash"): _ATTENTION_ONE_HOT,
+    ("attention", "aten_cudnn"): _ATTENTION_ONE_HOT,
+    ("attention", "aten_efficient"): _either(_ATTENTION_ONE_HOT, (
+        lambda f: ON_GPU and f["dtype"] == "float32" and (f["grad"] == "1" or f["regime"] == "special"),
+        "the memory-efficient kernel in float32: a query row whose visible scores are all -inf "
+        "(an Inf in q) gives NaN where the oracle's safe softmax gives 0, and its gradients land at "
+        "up to 10x the reference's error (grad of v 3.5e-4 where the budget is 7.4e-5 at 'large' "
+        "values; grad of q 3.2e-5 at one key, where the budget is 1e-5)")),
     ("linear_cross_entropy", "reference"): _either(_LCE_F16_OVERFLOW, _LCE_CPU_AMX),
     ("linear_cross_entropy", "kernelgate_cpu"): _LCE_CPU_AMX,
     ("linear_cross_entropy", "kernelgate_cpu_narrow_accum"): _LCE_CPU_AMX,
@@ -178,7 +199,15 @@ FORWARD_ONLY = {
 # reference again (src/core/op_mechanism.cpp), and linear_cross_entropy (its own autograd).
 REFUSES_DOUBLE_BACKWARD = {"add_rms_norm", "rope", "linear_cross_entropy"}
 REFUSAL = r"double backward \(create_graph=True\) is not supported"
+# Ops whose plain PyTorch code PyTorch itself cannot differentiate twice: their eager backend
+# refuses as the code does without kernelgate (attention: F.scaled_dot_product_attention's fused
+# kernels have no derivative of their backward).
+EAGER_REFUSES_DOUBLE_BACKWARD = {"attention": r"derivative for aten::_scaled_dot_product_\w+_backward is not implemented"}
 
+
+# Built-in backends that implement 16-bit dtypes only (ATen's flash and cuDNN attention kernels):
+# the compile check takes them on a case they serve, as it does the libraries' narrow backends.
+NARROW_BUILTINS = {("attention", "aten_flash"), ("attention", "aten_cudnn")}
 
 LIBRARY_BACKENDS = {(b.op, b.name) for b in kg.backends.BACKENDS}  # the field's libraries: CUDA only
 
@@ -571,7 +600,7 @@ def check_compile(op, device):
             if (op, backend) in fwd_only:
                 continue
             library = any((b.op, b.name) == (op, backend) for b in kg.backends.BACKENDS)
-            assert library, f"{backend} does not serve {cid}"
+            assert library or (op, backend) in NARROW_BUILTINS, f"{backend} does not serve {cid}"
             elsewhere.append(backend)
         assert "reference" in served, (cid, served)
         compile_and_compare(op, cid, enc, device, served, grad)
@@ -622,7 +651,14 @@ def check_double_backward(op, backend, device):
                 with pytest.raises(RuntimeError, match=REFUSAL):
                     grads(outs, leaves, cots, create_graph=True)
                 continue
-            got, vs = second_order(outs, leaves, cots)
+            try:
+                got, vs = second_order(outs, leaves, cots)
+            except RuntimeError as exc:
+                # The plain code's refusal, where PyTorch picks a kernel without a double backward.
+                if not (op in EAGER_REFUSES_DOUBLE_BACKWARD and backend_kind(op, backend) == "eager"
+                        and re.search(EAGER_REFUSES_DOUBLE_BACKWARD[op], str(exc))):
+                    raise
+                continue
         ref_args, ref_leaves = call_args(enc, device)
         ref, _ = second_order(as_list(reference_op(op)(*ref_args)), ref_leaves, cots, vs)
         ora_args, ora_leaves = call_args(enc, device, float64=True)
