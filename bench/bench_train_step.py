@@ -2,8 +2,8 @@
 op-level claim ends in.
 
 The model (default sizes): 8 layers, hidden 2048, 16 query and 4 kv heads of 128, swiglu MLP 5632,
-vocab 128256, batch 4 x 2048 tokens, bfloat16, attention through SDPA (causal, GQA) in every
-variant, the same weights and the same batch. Variants:
+vocab 128256, batch 4 x 2048 tokens, bfloat16, causal GQA attention through SDPA in every variant
+but kernelgate_attention, the same weights and the same batch. Variants:
 
   eager               plain PyTorch: F.rms_norm, the Hugging Face rope, F.silu(g) * u,
                       F.cross_entropy(F.linear(h, w).float(), t)
@@ -13,6 +13,8 @@ variant, the same weights and the same batch. Variants:
   kernelgate          kg.add_rms_norm, kg.rms_norm, kg.rope, kg.swiglu, kg.linear_cross_entropy,
                       with the evidence as installed (the shipped evidence, no user store)
   kernelgate_compile  torch.compile of the kernelgate model
+  kernelgate_attention  the kernelgate model with kg.attention for SDPA (not in the default list:
+                      on the H200 it was slower than SDPA, bench/results/h200/train_step_attention.json)
   compile_hook        torch.compile of the eager model with kernelgate's compile hook
                       (kernelgate.compile.options(): its subgraphs that match kernelgate ops become
                       those ops where evidence ranks a kernelgate kernel); the rewrites go into
@@ -65,6 +67,9 @@ class EagerOps:
     def swiglu(self, g, u):
         return F.silu(g) * u
 
+    def attention(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
     def loss(self, h, w, t):
         return F.cross_entropy(F.linear(h, w).float(), t)
 
@@ -84,8 +89,20 @@ class KernelgateOps:
     def swiglu(self, g, u):
         return kg.swiglu(g, u)
 
+    def attention(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
     def loss(self, h, w, t):
         return kg.linear_cross_entropy(h, w, t)
+
+
+class KernelgateAttentionOps(KernelgateOps):
+    """kernelgate's ops and kg.attention for the model's attention."""
+
+    name = "kernelgate_attention"
+
+    def attention(self, q, k, v):
+        return kg.attention(q, k, v, causal=True)
 
 
 class LigerOps(EagerOps):
@@ -150,7 +167,7 @@ class Model(torch.nn.Module):
             k = layer.k(x).view(B, S, Hkv, D).transpose(1, 2)
             v = layer.v(x).view(B, S, Hkv, D).transpose(1, 2)
             q, k = ops.rope(q, k, cos, sin)
-            a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            a = ops.attention(q, k, v)
             a = layer.o(a.transpose(1, 2).reshape(B, S, Hq * D))
             x, residual = ops.add_norm(a, residual, layer.mlp_norm)
             m = layer.down(ops.swiglu(layer.gate(x), layer.up(x)))
@@ -164,10 +181,12 @@ def make_ops(variant):
         return EagerOps()
     if variant in ("kernelgate", "kernelgate_compile"):
         return KernelgateOps()
+    if variant == "kernelgate_attention":
+        return KernelgateAttentionOps()
     if variant == "liger":
         return LigerOps()
     raise SystemExit(f"--variants: unknown variant '{variant}' (eager, compile, liger, kernelgate, "
-                     "kernelgate_compile, compile_hook)")
+                     "kernelgate_compile, kernelgate_attention, compile_hook)")
 
 
 def hook_rewrites(variant):
@@ -196,16 +215,24 @@ def step_calls(cfg, dev, dt):
         "rope": (t(B, S, cfg["heads"], cfg["head_dim"]).transpose(1, 2),
                  t(B, S, cfg["kv_heads"], cfg["head_dim"]).transpose(1, 2), cos, cos),
         "swiglu": (t(T, cfg["mlp"]), t(T, cfg["mlp"])),
+        # attention's q grouped by kv head: a view of attention code's transposed q
+        "attention": (t(B, S, cfg["heads"], cfg["head_dim"]).transpose(1, 2).view(
+                          B, cfg["kv_heads"], cfg["heads"] // cfg["kv_heads"], S, cfg["head_dim"]),
+                      t(B, S, cfg["kv_heads"], cfg["head_dim"]).transpose(1, 2),
+                      t(B, S, cfg["kv_heads"], cfg["head_dim"]).transpose(1, 2)),
         "linear_cross_entropy": (t(T, H), t(cfg["vocab"], H),
                                  torch.zeros(T, dtype=torch.long, device=dev)),
     }
     return calls
 
 
-def served(cfg, dev, dt):
-    """Which backend serves each op of the kernelgate model at its shapes, in a training step."""
+def served(cfg, dev, dt, attention=False):
+    """Which backend serves each op of the kernelgate model at its shapes, in a training step
+    (attention: where the model calls kg.attention)."""
     out = {}
     for op, args in step_calls(cfg, dev, dt).items():
+        if op == "attention" and not attention:
+            continue
         e = kg.explain(op, *args)
         out[op] = {"backend": e.backend, "reason": e.reason}
     return out
@@ -420,7 +447,7 @@ def main() -> int:
         variants,
         lambda v: run_variant(v, cfg, state, ids, targets, dev, dt, args.warmup, args.steps,
                               profile=dev.startswith("cuda") and v in args.profile.split(",")),
-        lambda v: served(cfg, dev, dt) if v.startswith("kernelgate") else hook_rewrites(v), record)
+        lambda v: served(cfg, dev, dt, v == "kernelgate_attention") if v.startswith("kernelgate") else hook_rewrites(v), record)
     return 0
 
 
