@@ -1,0 +1,86 @@
+"""PyTorch's F.scaled_dot_product_attention on q of the layouts the attention sweep found it wrong
+on (H200, bf16, with gradients: bench/results/h200/sweep_attention.json, docs/evidence.md), written
+without kernelgate: q with padded rows (the row stride head_dim + 5) and q one element into its
+storage, against attention in float64, with and without gradients, and with each of SDPA's
+kernels enabled alone. Prints a table and writes JSON:
+
+    python3 scripts/sdpa_layout_check.py --out $OUT/sdpa_layout_check.json
+"""
+
+import argparse
+import json
+import math
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+B, HKV, G, S, D = 4, 4, 4, 256, 128
+
+
+def definition(q, k, v):
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    s = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    s = s.masked_fill(torch.ones(S, S, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    return torch.softmax(s, -1) @ v
+
+
+def laid_out(x, layout):
+    """x (dense) as a q of that layout: the same values, other strides or start."""
+    if layout == "contiguous":
+        return x.clone()
+    if layout == "row_strided":
+        store = torch.randn(*x.shape[:-1], x.shape[-1] + 5, device=x.device, dtype=x.dtype)
+        store[..., : x.shape[-1]] = x
+        return store[..., : x.shape[-1]]
+    if layout == "offset":
+        store = torch.randn(x.numel() + 1, device=x.device, dtype=x.dtype)
+        store[1:] = x.reshape(-1)
+        return store[1:].view(x.shape)
+    raise ValueError(layout)
+
+
+def rel_l2(got, want):
+    return float((got.double() - want).norm() / want.norm())
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    gen = torch.Generator().manual_seed(0)
+    q64, k64, v64 = (torch.randn(B, h, S, D, generator=gen, dtype=torch.float64).cuda()
+                     for h in (HKV * G, HKV, HKV))
+    want = definition(q64, k64, v64)
+    rows = []
+    backends = [("default", None), ("flash", SDPBackend.FLASH_ATTENTION),
+                ("efficient", SDPBackend.EFFICIENT_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),
+                ("math", SDPBackend.MATH)]
+    for layout in ("contiguous", "row_strided", "offset"):
+        for grad in (False, True):
+            for name, backend in backends:
+                q = laid_out(q64.bfloat16(), layout).requires_grad_(grad)
+                k, v = k64.bfloat16(), v64.bfloat16()
+                row = {"layout": layout, "grad": grad, "sdpa": name, "q_strides": list(q.stride()),
+                       "q_offset_bytes": q.data_ptr() % 16}
+                try:
+                    ctx = sdpa_kernel([backend]) if backend is not None else torch.enable_grad()
+                    with ctx:
+                        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+                    torch.cuda.synchronize()
+                    row["o_rel_l2"] = rel_l2(o, want)
+                except Exception as e:  # a kernel that refuses the layout: recorded
+                    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                rows.append(row)
+                print(f"{layout:12s} grad={int(grad)} {name:10s} "
+                      + (f"o rel L2 {row['o_rel_l2']:.3e}" if "o_rel_l2" in row else row["error"]))
+    out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "cudnn": torch.backends.cudnn.version(), "shape": [B, HKV * G, HKV, S, D], "rows": rows}
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
