@@ -157,6 +157,12 @@ struct OpContract {
   std::map<std::string, std::vector<std::string>> output_inputs;
   // The backward receives an undefined gradient for an output nobody used, instead of zeros.
   bool optional_grads = false;
+  // Outputs of the first tensor argument's shape, and every gradient, keep the layout of their
+  // tensor argument where it is non-overlapping and dense (at::empty_like's strides; elsewhere
+  // dense), in the Meta impls and from every backend (in_layout_of). Default: all dense.
+  // attention: o and dq in attention code's [batch, seq, heads, head_dim] storage, so that its
+  // o.transpose(1, 2).reshape(...) and q's view backward copy nothing, as with SDPA.
+  bool keeps_input_layout = false;
 
   // Filled when the op is added (parse_dims, the op mechanism).
   std::vector<TensorArgSpec> tensor_args;
@@ -178,6 +184,10 @@ uint16_t variant_of(const OpContract& contract, const std::map<std::string, std:
 struct BoundDims {
   std::array<int64_t, kMaxNamedDims> size{};
 };
+
+// t (of model's sizes) with the strides at::empty_like(model) gives: model's where it is
+// non-overlapping and dense, else contiguous. t itself when it has them, else a copy.
+at::Tensor in_layout_of(const at::Tensor& t, const at::Tensor& model);
 
 // "'a', 'b' or 'c'": the allowed values of an argument, for error messages.
 std::string one_of(const std::vector<std::string>& values);

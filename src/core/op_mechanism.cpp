@@ -238,7 +238,8 @@ struct RoutedOp {
     finish_forward(s, like, training);
   }
 
-  // A gradient has its argument's shape and dtype, contiguous.
+  // A gradient has its argument's shape and dtype, contiguous (in its argument's layout where
+  // the contract keeps input layouts).
   void meta_backward(Stack& s) const {
     const GradRequest need = pop_request(s);
     const IValue* args = s.data() + (s.size() - n_bwd_args);
@@ -247,10 +248,11 @@ struct RoutedOp {
     std::vector<Tensor> grads;
     for (size_t k = 0; k < diff.size(); ++k) {
       const at::Tensor* t = call.tensors[diff[k]];
-      grads.push_back(
-          need(diff[k]) && t != nullptr && t->defined()
-              ? at::empty(t->sizes(), t->options().memory_format(at::MemoryFormat::Contiguous))
-              : at::empty({0}, like[k]));
+      const bool want = need(diff[k]) && t != nullptr && t->defined();
+      grads.push_back(!want ? at::empty({0}, like[k])
+                      : contract().keeps_input_layout
+                          ? at::empty_like(*t, at::MemoryFormat::Preserve)
+                          : at::empty(t->sizes(), t->options().memory_format(at::MemoryFormat::Contiguous)));
     }
     torch::jit::drop(s, n_bwd_args);
     for (auto& g : grads) s.emplace_back(std::move(g));
@@ -488,6 +490,20 @@ void autograd_forward(const RoutedOp& op, const c10::OperatorHandle& handle, c10
   s.resize(s.size() - op.n_extra);
 }
 
+}  // namespace
+
+at::Tensor in_layout_of(const at::Tensor& t, const at::Tensor& model) {
+  TORCH_INTERNAL_ASSERT(t.sizes() == model.sizes(), "in_layout_of: sizes ", t.sizes(), " and ",
+                        model.sizes());
+  const bool keep = model.is_non_overlapping_and_dense();
+  if (keep ? t.strides() == model.strides() : t.is_contiguous()) return t;
+  at::Tensor out = keep ? at::empty_strided(model.sizes(), model.strides(), t.options())
+                        : at::empty(model.sizes(), t.options());
+  return out.copy_(t);
+}
+
+namespace {
+
 // ---- the reference as a backend (reference_backend())
 // --------------------------------------------
 
@@ -496,12 +512,20 @@ class ReferenceAutograd final : public BackendImpl {
   explicit ReferenceAutograd(const RoutedOp* op) : op_(op) {}
 
   void forward(Stack& s, GradRequest) const override {
+    Tensor model;  // the first tensor argument, where the contract keeps its layout
+    if (op_->contract().keeps_input_layout && !op_->tensor_pos.empty()) {
+      const IValue& v = s[s.size() - op_->nargs + op_->tensor_pos[0]];
+      if (v.isTensor()) model = v.toTensor();
+    }
     {
       at::AutoGradMode no_grad(false);
       op_->ref->callBoxed(s);
     }
-    // Dense outputs, as the Meta impls promise.
-    for (size_t i = s.size() - op_->n_out; i < s.size(); ++i) s[i] = s[i].toTensor().contiguous();
+    // Dense outputs, as the Meta impls promise (or in the first argument's layout).
+    for (size_t i = s.size() - op_->n_out; i < s.size(); ++i) {
+      const Tensor& o = s[i].toTensor();
+      s[i] = model.defined() && o.sizes() == model.sizes() ? in_layout_of(o, model) : o.contiguous();
+    }
   }
 
   // _<op>_bwd's arguments: the output gradients, every tensor argument, the other arguments.
@@ -551,8 +575,13 @@ class ReferenceAutograd final : public BackendImpl {
       }
       Tensor g = next < got.size() ? got[next] : Tensor();
       ++next;
-      s.emplace_back(g.defined() ? g.contiguous()
-                                 : at::zeros_like(inputs[d], at::MemoryFormat::Contiguous));
+      const bool keep = op_->contract().keeps_input_layout;
+      if (!g.defined()) {
+        s.emplace_back(at::zeros_like(inputs[d], keep ? at::MemoryFormat::Preserve
+                                                       : at::MemoryFormat::Contiguous));
+      } else {
+        s.emplace_back(keep ? in_layout_of(g, inputs[d]) : g.contiguous());
+      }
     }
   }
 
@@ -949,11 +978,19 @@ OpId OpDeclaration::install() {
               ": its first backend must be the reference");
 
   if (st.eager) {
-    // Outputs dense, as the Meta impls promise (most ATen ops keep a strided input's strides).
-    op->eager = [fn = std::move(st.eager), n = static_cast<size_t>(op->n_out)](Stack& s) {
+    // Outputs dense, as the Meta impls promise (most ATen ops keep a strided input's strides),
+    // or in the first tensor argument's layout where the contract keeps it.
+    op->eager = [fn = std::move(st.eager), n = static_cast<size_t>(op->n_out),
+                 keep = c.keeps_input_layout, nargs = op->nargs,
+                 first = op->tensor_pos.empty() ? -1 : op->tensor_pos[0]](Stack& s) {
+      Tensor model;
+      if (keep && first >= 0 && s[s.size() - nargs + first].isTensor())
+        model = s[s.size() - nargs + first].toTensor();
       fn(s);
       for (size_t i = s.size() - n; i < s.size(); ++i) {
-        if (s[i].isTensor() && s[i].toTensor().defined()) s[i] = s[i].toTensor().contiguous();
+        if (!s[i].isTensor() || !s[i].toTensor().defined()) continue;
+        const Tensor& o = s[i].toTensor();
+        s[i] = model.defined() && o.sizes() == model.sizes() ? in_layout_of(o, model) : o.contiguous();
       }
     };
     st.backends.push_back(

@@ -126,6 +126,38 @@ def test_cpu_nonfinite_query_makes_its_kv_heads_gradients_nan(value):
     assert_rule(o64, grads64, o64, grads64, torch.float32)
 
 
+def layouts_of_a_step(backend, device, dtype):
+    """o, and the gradients the op hands back for its q, k and v, of a call as attention code
+    makes it: q, k, v views of [batch, seq, heads, head_dim] projections."""
+    b, h, hkv, s, d = 2, 4, 2, 37, 16
+    x = [torch.randn(b, s, n, d, device=device, dtype=dtype, requires_grad=True) for n in (h, hkv, hkv)]
+    q, k, v = (t.transpose(1, 2) for t in x)
+    got = {}
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        t.register_hook(lambda g, name=name: got.__setitem__(name, g))
+    with kg.use(force={"attention": backend}):
+        o = kg.attention(q, k, v)
+    o.transpose(1, 2).reshape(b, s, h * d).square().sum().backward()
+    return q, k, v, o, got
+
+
+def assert_layouts_kept(q, k, v, o, got):
+    # o as SDPA returns it for such a q: [batch, seq, heads, head_dim] storage, so attention code's
+    # o.transpose(1, 2).reshape(...) is a view; and each gradient in its argument's layout.
+    assert o.stride() == q.stride() and o.transpose(1, 2).is_contiguous(), o.stride()
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        assert got[name].stride() == t.stride(), (name, got[name].stride(), t.stride())
+
+
+@pytest.mark.parametrize("backend", ["reference", "eager"])
+def test_cpu_outputs_and_gradients_keep_attention_codes_layout(backend):
+    q, k, v, o, got = layouts_of_a_step(backend, "cpu", torch.float32)
+    if backend == "eager":
+        assert o.stride() == q.stride()  # its training call is served with SDPA's own autograd
+        return
+    assert_layouts_kept(q, k, v, o, got)
+
+
 def test_bad_input_errors():
     q, k, v = (t.float() for t in inputs(1, 4, 2, 8, 16)[:3])
     with pytest.raises(ValueError, match=r"kg.attention: q must be a 4-D tensor \[batch, heads, seq, head_dim\], "
@@ -177,3 +209,9 @@ def test_gpu_nonfinite_query_makes_its_kv_heads_gradients_nan(backend, value):
     o, grads = run(backend, q, k, v, do, True, None)
     ref_o, ref_grads = run("reference", q, k, v, do, True, None)
     assert_rule(o, grads, ref_o, ref_grads, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", FUSED + ["reference"])
+def test_gpu_outputs_and_gradients_keep_attention_codes_layout(backend):
+    assert_layouts_kept(*layouts_of_a_step(backend, "cuda", torch.bfloat16))
