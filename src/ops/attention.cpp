@@ -257,10 +257,13 @@ Tensor unit_last(const Tensor& t) {
   return ok ? t : t.clone(at::MemoryFormat::Contiguous);
 }
 
-// Dense and 16-byte aligned: a copy where it is not (cuDNN's backward).
-Tensor dense(const Tensor& t) {
-  const bool aligned = reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
-  return t.is_contiguous() && aligned ? t : t.clone(at::MemoryFormat::Contiguous);
+// A kernel's log-sum-exp ([batch, heads, seq] with whatever trailing unit dim) as the op keeps
+// it, [batch, kv_heads, group, seq] dense; and back as the kernels take it, [batch, heads, seq].
+Tensor grouped_lse(const Tensor& l, const Tensor& q) {
+  return l.reshape({q.size(0), q.size(1), q.size(2), q.size(3)}).contiguous();
+}
+Tensor heads_lse(const Tensor& lse, const Tensor& q) {
+  return lse.reshape({q.size(0), q.size(1) * q.size(2), q.size(3)});
 }
 
 std::optional<double> sdpa_scale(const Tensor& q, double scale) {
@@ -311,8 +314,7 @@ Outs flash_fwd(const Tensor& q, const Tensor& k, const Tensor& v, c10::string_vi
   Tensor q4 = unit_last(heads_view(q));
   auto r = at::_scaled_dot_product_flash_attention(q4, unit_last(k), unit_last(v), 0.0,
                                                    parse_mask(mask), false, sdpa_scale(q, scale));
-  Tensor lse = need.any() ? std::get<1>(r).reshape({q.size(0), q.size(1), q.size(2), q.size(3)}).contiguous()
-                          : Tensor();
+  Tensor lse = need.any() ? grouped_lse(std::get<1>(r), q) : Tensor();
   return {grouped(std::get<0>(r), q), lse};
 }
 
@@ -320,10 +322,11 @@ Grads flash_bwd(const Tensor& dout, const Tensor& q, const Tensor& k, const Tens
                 const Tensor& o, const Tensor& lse, c10::string_view mask, double scale,
                 GradRequest) {
   const int64_t n = q.size(3);
+  const Tensor rng = no_rng();
   auto r = at::_scaled_dot_product_flash_attention_backward(
       unit_last(heads_view(dout)), unit_last(heads_view(q)), unit_last(k), unit_last(v),
-      unit_last(heads_view(o)), lse.reshape({q.size(0), q.size(1) * q.size(2), n}), no_tensor(), no_tensor(),
-      n, n, 0.0, parse_mask(mask), no_rng(), no_rng(), sdpa_scale(q, scale));
+      unit_last(heads_view(o)), heads_lse(lse, q), no_tensor(), no_tensor(), n, n, 0.0,
+      parse_mask(mask), rng, rng, sdpa_scale(q, scale));
   Grads g{grouped(std::get<0>(r), q), in_layout_of(std::get<1>(r), k), in_layout_of(std::get<2>(r), v)};
   poison(g, bad_heads(lse));
   return g;
@@ -342,7 +345,7 @@ Outs cudnn_fwd(const Tensor& q, const Tensor& k, const Tensor& v, c10::string_vi
   Tensor lse;
   if (need.any()) {
     g_cudnn_lse_rank.store(static_cast<int>(std::get<1>(r).dim()), std::memory_order_relaxed);
-    lse = std::get<1>(r).reshape({q.size(0), q.size(1), q.size(2), q.size(3)}).contiguous();
+    lse = grouped_lse(std::get<1>(r), q);
   }
   return {grouped(std::get<0>(r), q), lse};
 }
@@ -350,20 +353,21 @@ Outs cudnn_fwd(const Tensor& q, const Tensor& k, const Tensor& v, c10::string_vi
 Grads cudnn_bwd(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                 const Tensor& o, const Tensor& lse, c10::string_view mask, double scale,
                 GradRequest) {
-  const int64_t n = q.size(3), heads = q.size(1) * q.size(2);
-  std::vector<int64_t> lse_shape = {q.size(0), heads, n};
-  if (g_cudnn_lse_rank.load(std::memory_order_relaxed) == 4) lse_shape.push_back(1);
+  const int64_t n = q.size(3);
+  Tensor l = heads_lse(lse, q);
+  if (g_cudnn_lse_rank.load(std::memory_order_relaxed) == 4) l = l.unsqueeze(-1);
+  const Tensor rng = cudnn_rng(q);
   // Operands aligned (a q one element into its storage gave a wrong dq on the H200), and dout
   // in o's layout (cuDNN reads it so: a transposed dout against a dense o faulted the device).
   Tensor o4 = unit_last(heads_view(o));
   Tensor do4 = unit_last(in_layout_of(heads_view(dout), o4));
   if (do4.strides() != o4.strides()) {
-    o4 = dense(o4);
-    do4 = dense(do4);
+    o4 = unit_last(o4.contiguous());
+    do4 = unit_last(do4.contiguous());
   }
   auto r = at::_scaled_dot_product_cudnn_attention_backward(
-      do4, unit_last(heads_view(q)), unit_last(k), unit_last(v), o4, lse.reshape(lse_shape),
-      cudnn_rng(q), cudnn_rng(q), no_tensor(), no_tensor(), no_tensor(), n, n, 0.0,
+      do4, unit_last(heads_view(q)), unit_last(k), unit_last(v), o4, l,
+      rng, rng, no_tensor(), no_tensor(), no_tensor(), n, n, 0.0,
       parse_mask(mask), sdpa_scale(q, scale));
   Grads g{grouped(std::get<0>(r), q), in_layout_of(std::get<1>(r), k), in_layout_of(std::get<2>(r), v)};
   poison(g, bad_heads(lse));
@@ -384,7 +388,7 @@ Outs efficient_fwd(const Tensor& q, const Tensor& k, const Tensor& v, c10::strin
   if (need.any()) {
     const Tensor& l = std::get<1>(r);
     if (n % 32 != 0) g_efficient_lse_padded.store(l.size(-1) != n, std::memory_order_relaxed);
-    lse = l.narrow(-1, 0, n).reshape({q.size(0), q.size(1), group, n}).contiguous();
+    lse = grouped_lse(l.narrow(-1, 0, n), q);
   }
   return {grouped(std::get<0>(r), q), lse};
 }
@@ -392,8 +396,9 @@ Outs efficient_fwd(const Tensor& q, const Tensor& k, const Tensor& v, c10::strin
 Grads efficient_bwd(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                     const Tensor& o, const Tensor& lse, c10::string_view mask, double scale,
                     GradRequest need) {
-  const int64_t group = q.size(2), n = q.size(3), heads = q.size(1) * group;
-  Tensor l = lse.reshape({q.size(0), heads, n});
+  const int64_t group = q.size(2), n = q.size(3);
+  Tensor l = heads_lse(lse, q);
+  const Tensor rng = no_rng();
   const int64_t padded = (n + 31) / 32 * 32;
   if (padded != n && g_efficient_lse_padded.load(std::memory_order_relaxed))
     l = at::constant_pad_nd(l, {0, padded - n});
@@ -403,7 +408,7 @@ Grads efficient_bwd(const Tensor& dout, const Tensor& q, const Tensor& k, const 
   Tensor o_bmhk = heads_view(o).transpose(1, 2).contiguous().transpose(1, 2);
   auto r = at::_scaled_dot_product_efficient_attention_backward(
       unit_last(heads_view(dout)), unit_last(heads_view(q)), unit_last(repeated(k, group)),
-      unit_last(repeated(v, group)), no_tensor(), o_bmhk, l, no_rng(), no_rng(), 0.0,
+      unit_last(repeated(v, group)), no_tensor(), o_bmhk, l, rng, rng, 0.0,
       {need(0), need(1), need(2), false}, parse_mask(mask), sdpa_scale(q, scale));
   Tensor dq = std::get<0>(r), dk = std::get<1>(r), dv = std::get<2>(r);
   Grads g{dq.defined() ? grouped(dq, q) : dq, dk.defined() ? in_layout_of(summed(dk, k, group), k) : dk,
