@@ -20,6 +20,7 @@
 
 #include <atomic>
 #include <cmath>
+#include <numeric>
 
 #include "kernelgate/kernelgate.h"
 #include "kernels/attention.h"
@@ -335,17 +336,47 @@ Grads flash_bwd(const Tensor& dout, const Tensor& q, const Tensor& k, const Tens
 // The cuDNN kernel's log-sum-exp has a trailing unit dim in some PyTorch releases: its forward
 // says which, its backward gets it back in that form.
 std::atomic<int> g_cudnn_lse_rank{4};
+// Whether its forward lays the log-sum-exp out in q's dim order (matching_strides) rather than
+// dense: its forward says so where the two differ.
+std::atomic<bool> g_cudnn_lse_follows_q{true};
+
+// The strides of a dense tensor of `sizes` whose dims are filled in the order of q's strides
+// (innermost first, ties in dim order): how ATen's cuDNN attention lays out what it allocates to
+// match q (o, and in the releases we know the log-sum-exp).
+std::vector<int64_t> matching_strides(const Tensor& q, at::IntArrayRef sizes) {
+  std::vector<int64_t> order(sizes.size()), strides(sizes.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return q.stride(a) < q.stride(b); });
+  int64_t next = 1;
+  for (int64_t d : order) {
+    strides[static_cast<size_t>(d)] = next;
+    next *= sizes[static_cast<size_t>(d)];
+  }
+  return strides;
+}
+
+// t with exactly these strides and a 16-byte aligned data pointer (a copy where it is not so).
+Tensor with_strides(const Tensor& t, const std::vector<int64_t>& strides) {
+  const bool aligned = reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
+  if (aligned && t.strides() == at::IntArrayRef(strides)) return t;
+  return at::empty_strided(t.sizes(), strides, t.options()).copy_(t);
+}
 
 Outs cudnn_fwd(const Tensor& q, const Tensor& k, const Tensor& v, c10::string_view mask,
                double scale, GradRequest need) {
   // Grouped heads natively (kv head h / group serves query head h), as SDPA's GQA calls it.
-  auto r = at::_scaled_dot_product_cudnn_attention(
-      unit_last(heads_view(q)), unit_last(k), unit_last(v), std::nullopt, need.any(), 0.0,
-      parse_mask(mask), false, sdpa_scale(q, scale));
+  Tensor q4 = unit_last(heads_view(q));
+  auto r = at::_scaled_dot_product_cudnn_attention(q4, unit_last(k), unit_last(v), std::nullopt,
+                                                   need.any(), 0.0, parse_mask(mask), false,
+                                                   sdpa_scale(q, scale));
   Tensor lse;
   if (need.any()) {
-    g_cudnn_lse_rank.store(static_cast<int>(std::get<1>(r).dim()), std::memory_order_relaxed);
-    lse = grouped_lse(std::get<1>(r), q);
+    const Tensor& l = std::get<1>(r);
+    g_cudnn_lse_rank.store(static_cast<int>(l.dim()), std::memory_order_relaxed);
+    const std::vector<int64_t> follows = l.dim() == 4 ? matching_strides(q4, l.sizes()) : l.contiguous().strides().vec();
+    if (follows != l.contiguous().strides().vec())
+      g_cudnn_lse_follows_q.store(l.strides() == at::IntArrayRef(follows), std::memory_order_relaxed);
+    lse = grouped_lse(l, q);
   }
   return {grouped(std::get<0>(r), q), lse};
 }
@@ -354,21 +385,29 @@ Grads cudnn_bwd(const Tensor& dout, const Tensor& q, const Tensor& k, const Tens
                 const Tensor& o, const Tensor& lse, c10::string_view mask, double scale,
                 GradRequest) {
   const int64_t n = q.size(3);
-  Tensor l = heads_lse(lse, q);
-  if (g_cudnn_lse_rank.load(std::memory_order_relaxed) == 4) l = l.unsqueeze(-1);
   const Tensor rng = cudnn_rng(q);
-  // Operands aligned (a q one element into its storage gave a wrong dq on the H200), and dout
-  // in o's layout (cuDNN reads it so: a transposed dout against a dense o faulted the device).
-  Tensor o4 = unit_last(heads_view(o));
-  Tensor do4 = unit_last(in_layout_of(heads_view(dout), o4));
-  if (do4.strides() != o4.strides()) {
-    o4 = unit_last(o4.contiguous());
-    do4 = unit_last(do4.contiguous());
+  // ATen caches cuDNN's compiled backward by the sizes and strides of q, k and v alone, and the
+  // strides of o, dout and the log-sum-exp are built into it: after an SDPA call elsewhere in the
+  // program on q, k, v of these strides, ours runs SDPA's graph (in a training step of the H200,
+  // a dout re-laid in o's order was read in SDPA's: dq 173% off). So o, dout and the log-sum-exp
+  // go in exactly as SDPA's autograd hands them over for the same call: o as cuDNN's forward laid
+  // it out (q's dim order), dout as it comes (re-laid in o's order only where its last stride is
+  // not 1, as SDPA does), the log-sum-exp as the forward gave it; a graph compiled by either
+  // call reads the other's operands alike. (Data pointers aligned, strides kept: a q one element
+  // into its storage gave a wrong dq on the H200.)
+  Tensor q4 = unit_last(heads_view(q));
+  Tensor o4 = with_strides(heads_view(o), matching_strides(q4, q4.sizes()));
+  Tensor do4 = heads_view(dout);
+  do4 = with_strides(do4, do4.stride(-1) == 1 && do4.is_non_overlapping_and_dense() ? do4.strides().vec()
+                                                                                     : o4.strides().vec());
+  Tensor l = heads_lse(lse, q);
+  if (g_cudnn_lse_rank.load(std::memory_order_relaxed) == 4) {
+    l = l.unsqueeze(-1);
+    if (g_cudnn_lse_follows_q.load(std::memory_order_relaxed)) l = with_strides(l, matching_strides(q4, l.sizes()));
   }
   auto r = at::_scaled_dot_product_cudnn_attention_backward(
-      do4, unit_last(heads_view(q)), unit_last(k), unit_last(v), o4, l,
-      rng, rng, no_tensor(), no_tensor(), no_tensor(), n, n, 0.0,
-      parse_mask(mask), sdpa_scale(q, scale));
+      do4, q4, unit_last(k), unit_last(v), o4, l,
+      rng, rng, no_tensor(), no_tensor(), no_tensor(), n, n, 0.0, parse_mask(mask), sdpa_scale(q, scale));
   Grads g{grouped(std::get<0>(r), q), in_layout_of(std::get<1>(r), k), in_layout_of(std::get<2>(r), v)};
   poison(g, bad_heads(lse));
   return g;
