@@ -10,6 +10,8 @@ kernels enabled alone. Prints a table and writes JSON:
 import argparse
 import json
 import math
+import subprocess
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -45,38 +47,64 @@ def rel_l2(got, want):
     return float((got.double() - want).norm() / want.norm())
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=None)
-    a = ap.parse_args()
+BACKENDS = {"default": None, "flash": SDPBackend.FLASH_ATTENTION,
+            "efficient": SDPBackend.EFFICIENT_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+            "math": SDPBackend.MATH}
+
+
+def one(layout, grad, name):
+    """One SDPA call on q of that layout, in this process; the row of what it gave."""
     gen = torch.Generator().manual_seed(0)
     q64, k64, v64 = (torch.randn(B, h, S, D, generator=gen, dtype=torch.float64).cuda()
                      for h in (HKV * G, HKV, HKV))
     want = definition(q64, k64, v64)
+    q = laid_out(q64.bfloat16(), layout).requires_grad_(grad)
+    k, v = k64.bfloat16(), v64.bfloat16()
+    row = {"layout": layout, "grad": grad, "sdpa": name, "q_strides": list(q.stride()),
+           "q_offset_bytes": q.data_ptr() % 16}
+    backend = BACKENDS[name]
+    try:
+        ctx = sdpa_kernel([backend]) if backend is not None else torch.enable_grad()
+        with ctx, torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            torch.cuda.synchronize()
+        row["kernels"] = sorted({e.name[:80] for e in prof.events() if e.device_type.name == "CUDA"
+                                 and any(w in e.name.lower() for w in ("flash", "fmha", "cudnn", "attention", "sm90", "gemm"))})
+        row["o_rel_l2"] = rel_l2(o.detach(), want)
+    except Exception as e:  # a kernel that refuses the layout: recorded
+        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--one", nargs=3, default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.one:
+        print(json.dumps(one(a.one[0], a.one[1] == "1", a.one[2])))
+        return
     rows = []
-    backends = [("default", None), ("flash", SDPBackend.FLASH_ATTENTION),
-                ("efficient", SDPBackend.EFFICIENT_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),
-                ("math", SDPBackend.MATH)]
+    # Each call in its own process: a kernel that faults the device ends only its own row.
     for layout in ("contiguous", "row_strided", "offset"):
         for grad in (False, True):
-            for name, backend in backends:
-                q = laid_out(q64.bfloat16(), layout).requires_grad_(grad)
-                k, v = k64.bfloat16(), v64.bfloat16()
-                row = {"layout": layout, "grad": grad, "sdpa": name, "q_strides": list(q.stride()),
-                       "q_offset_bytes": q.data_ptr() % 16}
+            for name in BACKENDS:
+                cmd = [sys.executable, __file__, "--one", layout, str(int(grad)), name]
                 try:
-                    ctx = sdpa_kernel([backend]) if backend is not None else torch.enable_grad()
-                    with ctx:
-                        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-                    torch.cuda.synchronize()
-                    row["o_rel_l2"] = rel_l2(o, want)
-                except Exception as e:  # a kernel that refuses the layout: recorded
-                    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+                    lines = [l for l in p.stdout.splitlines() if l.startswith("{")]
+                    row = json.loads(lines[-1]) if lines else {
+                        "layout": layout, "grad": grad, "sdpa": name,
+                        "error": f"process exit {p.returncode}: " + (p.stderr.strip().splitlines() or [""])[-1][:160]}
+                except subprocess.TimeoutExpired:
+                    row = {"layout": layout, "grad": grad, "sdpa": name, "error": "timed out (120 s)"}
                 rows.append(row)
                 print(f"{layout:12s} grad={int(grad)} {name:10s} "
-                      + (f"o rel L2 {row['o_rel_l2']:.3e}" if "o_rel_l2" in row else row["error"]))
+                      + (f"o rel L2 {row['o_rel_l2']:.3e} {row.get('kernels', [])[:2]}" if "o_rel_l2" in row
+                         else row["error"]), flush=True)
     out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "cudnn": torch.backends.cudnn.version(), "shape": [B, HKV * G, HKV, S, D], "rows": rows}
+           "cudnn": torch.backends.cudnn.version(), "shape": [B, HKV * G, HKV, S, D],
+           "command": "python3 " + " ".join(sys.argv), "rows": rows}
     if a.out:
         with open(a.out, "w") as f:
             json.dump(out, f, indent=1)
