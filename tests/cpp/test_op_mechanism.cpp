@@ -329,12 +329,15 @@ TEST(InLayoutOf, KeepsADenseModelsStridesAndCopiesOnlyWhereTheyDiffer) {
   EXPECT_TRUE(at::equal(kept, dense));
   // Already in that layout: the same tensor, no copy.
   EXPECT_TRUE(in_layout_of(model, model).is_same(model));
-  // A model that is not dense (padded rows, a stride-0 expand): contiguous, as at::empty_like.
-  const at::Tensor values = at::randn({2, 3, 5, 4}).transpose(0, 1).contiguous().transpose(0, 1);
-  for (const at::Tensor& other : {at::randn({2, 3, 5, 6}).narrow(-1, 0, 4),
+  // A model that is not dense (padded rows of attention code's q, a stride-0 expand): the strides
+  // at::empty_like gives it, dense (in the padded q's dim order: not contiguous).
+  const at::Tensor values = at::randn({2, 3, 5, 4});
+  for (const at::Tensor& other : {at::randn({2, 5, 3, 6}).narrow(-1, 0, 4).transpose(1, 2),
                                   at::randn({1, 3, 5, 4}).expand({2, 3, 5, 4})}) {
     const at::Tensor got = in_layout_of(values, other);
-    EXPECT_TRUE(got.is_contiguous());
+    EXPECT_EQ(got.strides(), at::empty_like(other).strides());
+    EXPECT_TRUE(got.is_non_overlapping_and_dense());
     EXPECT_TRUE(at::equal(got, values));
   }
+  EXPECT_FALSE(in_layout_of(values, at::randn({2, 5, 3, 6}).narrow(-1, 0, 4).transpose(1, 2)).is_contiguous());
 }
