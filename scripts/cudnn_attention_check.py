@@ -9,21 +9,13 @@ dense; o, dq, dk, dv against attention in float64. Prints a table and writes JSO
 
 import argparse
 import json
-import math
 import sys
 
 import torch
 
+from attention_definition import definition
+
 aten = torch.ops.aten
-
-
-def definition(q, k, v):
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    s = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
-    n = q.shape[2]
-    s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
-    return torch.softmax(s, -1) @ v
 
 
 def laid(x, layout):

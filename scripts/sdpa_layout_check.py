@@ -9,7 +9,6 @@ kernels enabled alone. Prints a table and writes JSON:
 
 import argparse
 import json
-import math
 import subprocess
 import sys
 
@@ -17,15 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from attention_definition import definition
+
 B, HKV, G, S, D = 4, 4, 4, 256, 128
-
-
-def definition(q, k, v):
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    s = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
-    s = s.masked_fill(torch.ones(S, S, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
-    return torch.softmax(s, -1) @ v
 
 
 def laid_out(x, layout):
