@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from attention_definition import definition
+from attention_checks import definition, rel_l2
 
 aten = torch.ops.aten
 
@@ -22,10 +22,6 @@ def laid(x, layout):
     if layout == "dense":
         return x.contiguous()
     return x.transpose(1, 2).contiguous().transpose(1, 2)  # a view of [batch, seq, heads, head_dim]
-
-
-def rel(got, want):
-    return float((got.double() - want).norm() / want.norm())
 
 
 def main():
@@ -51,28 +47,25 @@ def main():
                 seed, offset = _rest[4], _rest[5]
                 base = {"shape": shape, "layout": layout, "kv": kv, "o_strides": list(o.stride()),
                         "lse_shape": list(lse.shape), "lse_strides": list(lse.stride()),
-                        "o_rel_l2": rel(o, want)}
+                        "o_rel_l2": rel_l2(o, want)}
+                g = do if do.stride() == o.stride() else torch.empty_like(o).copy_(do)  # dout in o's layout
                 for lse_mode in ("as_returned", "dense"):
-                    l = lse if lse_mode == "as_returned" else lse.contiguous()
-                    if lse_mode == "dense" and l.data_ptr() == lse.data_ptr() and l.stride() == lse.stride():
-                        l = lse.clone(memory_format=torch.contiguous_format)
-                    for dlay in ("as_o",):
-                        g = do if do.stride() == o.stride() else torch.empty_like(o).copy_(do)
-                        row = dict(base, lse_mode=lse_mode, lse_given_strides=list(l.stride()))
-                        try:
-                            dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward(
-                                g, q, k, v, o, l, seed, offset, None, None, None, s, s, 0.0, True)
-                            if kv == "repeated":
-                                dk = dk.unflatten(1, (hkv, group)).sum(2)
-                                dv = dv.unflatten(1, (hkv, group)).sum(2)
-                            row.update(dq=rel(dq, want_g[0]), dk=rel(dk, want_g[1]), dv=rel(dv, want_g[2]),
-                                       dq_strides=list(dq.stride()))
-                        except Exception as e:
-                            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
-                        rows.append(row)
-                        print(f"{str(shape):22s} {layout:5s} {kv:8s} lse {lse_mode:11s} {str(list(lse.stride())):18s} "
-                              f"o {row['o_rel_l2']:.2e} " + (f"dq {row['dq']:.2e} dk {row['dk']:.2e} dv {row['dv']:.2e}"
-                                                             if "dq" in row else row["error"]), flush=True)
+                    l = lse if lse_mode == "as_returned" else lse.clone(memory_format=torch.contiguous_format)
+                    row = dict(base, lse_mode=lse_mode, lse_given_strides=list(l.stride()))
+                    try:
+                        dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward(
+                            g, q, k, v, o, l, seed, offset, None, None, None, s, s, 0.0, True)
+                        if kv == "repeated":
+                            dk = dk.unflatten(1, (hkv, group)).sum(2)
+                            dv = dv.unflatten(1, (hkv, group)).sum(2)
+                        row.update(dq=rel_l2(dq, want_g[0]), dk=rel_l2(dk, want_g[1]), dv=rel_l2(dv, want_g[2]),
+                                   dq_strides=list(dq.stride()))
+                    except Exception as e:
+                        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                    rows.append(row)
+                    print(f"{str(shape):22s} {layout:5s} {kv:8s} lse {lse_mode:11s} {str(list(lse.stride())):18s} "
+                          f"o {row['o_rel_l2']:.2e} " + (f"dq {row['dq']:.2e} dk {row['dk']:.2e} dv {row['dv']:.2e}"
+                                                         if "dq" in row else row["error"]), flush=True)
         del q64, k64, v64, do64, leaves, want, want_g
         torch.cuda.empty_cache()
     if a.out:

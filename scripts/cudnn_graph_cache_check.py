@@ -9,14 +9,13 @@ reads its gradient with the first call's strides. Both orders, each in its own p
 
 import argparse
 import json
-import subprocess
 import sys
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from attention_definition import definition
+from attention_checks import definition, in_own_process, rel_l2
 
 B, H, HKV, S, D = 2, 8, 2, 512, 128
 
@@ -39,7 +38,7 @@ def call(dout_layout, seed):
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     got = torch.autograd.grad(o, (q, k, v), do)
     return {"dout": dout_layout, "dout_strides": list(do.stride()), "o_strides": list(o.stride()),
-            **{n: float((g.double() - w).norm() / w.norm()) for n, g, w in zip(("dq", "dk", "dv"), got, want)}}
+            **{n: rel_l2(g, w) for n, g, w in zip(("dq", "dk", "dv"), got, want)}}
 
 
 def main():
@@ -52,9 +51,8 @@ def main():
         return
     runs = []
     for order in (("dense", "bshd"), ("bshd", "dense")):
-        p = subprocess.run([sys.executable, __file__, "--order", *order], capture_output=True, text=True, timeout=120)
-        lines = [l for l in p.stdout.splitlines() if l.startswith("[")]
-        rows = json.loads(lines[-1]) if lines else [{"error": (p.stderr.strip().splitlines() or [""])[-1][:200]}]
+        got = in_own_process([sys.executable, __file__, "--order", *order])
+        rows = got if isinstance(got, list) else [got]
         runs.append({"order": list(order), "calls": rows})
         for i, r in enumerate(rows):
             print(f"order {order}: call {i + 1} " + (f"dout {r['dout']:5s} dq {r['dq']:.2e} dk {r['dk']:.2e} dv {r['dv']:.2e}"

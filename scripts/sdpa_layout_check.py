@@ -9,14 +9,13 @@ kernels enabled alone. Prints a table and writes JSON:
 
 import argparse
 import json
-import subprocess
 import sys
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from attention_definition import definition
+from attention_checks import definition, in_own_process, rel_l2
 
 B, HKV, G, S, D = 4, 4, 4, 256, 128
 
@@ -34,10 +33,6 @@ def laid_out(x, layout):
         store[1:] = x.reshape(-1)
         return store[1:].view(x.shape)
     raise ValueError(layout)
-
-
-def rel_l2(got, want):
-    return float((got.double() - want).norm() / want.norm())
 
 
 BACKENDS = {"default": None, "flash": SDPBackend.FLASH_ATTENTION,
@@ -63,7 +58,7 @@ def one(layout, grad, name):
             torch.cuda.synchronize()
         row["kernels"] = sorted({e.name[:80] for e in prof.events() if e.device_type.name == "CUDA"
                                  and any(w in e.name.lower() for w in ("flash", "fmha", "cudnn", "attention", "sm90", "gemm"))})
-        row["o_rel_l2"] = rel_l2(o.detach(), want)
+        row["o_rel_l2"] = rel_l2(o, want)
     except Exception as e:  # a kernel that refuses the layout: recorded
         row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
     return row
@@ -82,15 +77,9 @@ def main():
     for layout in ("contiguous", "row_strided", "offset"):
         for grad in (False, True):
             for name in BACKENDS:
-                cmd = [sys.executable, __file__, "--one", layout, str(int(grad)), name]
-                try:
-                    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-                    lines = [l for l in p.stdout.splitlines() if l.startswith("{")]
-                    row = json.loads(lines[-1]) if lines else {
-                        "layout": layout, "grad": grad, "sdpa": name,
-                        "error": f"process exit {p.returncode}: " + (p.stderr.strip().splitlines() or [""])[-1][:160]}
-                except subprocess.TimeoutExpired:
-                    row = {"layout": layout, "grad": grad, "sdpa": name, "error": "timed out (120 s)"}
+                row = in_own_process([sys.executable, __file__, "--one", layout, str(int(grad)), name])
+                if "error" in row:
+                    row = {"layout": layout, "grad": grad, "sdpa": name, **row}
                 rows.append(row)
                 print(f"{layout:12s} grad={int(grad)} {name:10s} "
                       + (f"o rel L2 {row['o_rel_l2']:.3e} {row.get('kernels', [])[:2]}" if "o_rel_l2" in row
