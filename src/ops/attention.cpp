@@ -20,7 +20,6 @@
 
 #include <atomic>
 #include <cmath>
-#include <numeric>
 
 #include "kernelgate/kernelgate.h"
 #include "kernels/attention.h"
@@ -336,25 +335,6 @@ Grads flash_bwd(const Tensor& dout, const Tensor& q, const Tensor& k, const Tens
 // The cuDNN kernel's log-sum-exp has a trailing unit dim in some PyTorch releases: its forward
 // says which, its backward gets it back in that form.
 std::atomic<int> g_cudnn_lse_rank{4};
-// Whether its forward lays the log-sum-exp out in q's dim order (matching_strides) rather than
-// dense: its forward says so where the two differ.
-std::atomic<bool> g_cudnn_lse_follows_q{true};
-
-// The strides of a dense tensor of `sizes` whose dims are filled in the order of q's strides
-// (innermost first, ties in dim order): how ATen's cuDNN attention lays out what it allocates to
-// match q (o, and in the releases we know the log-sum-exp).
-std::vector<int64_t> matching_strides(const Tensor& q, at::IntArrayRef sizes) {
-  std::vector<int64_t> order(sizes.size()), strides(sizes.size());
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return q.stride(a) < q.stride(b); });
-  int64_t next = 1;
-  for (int64_t d : order) {
-    strides[static_cast<size_t>(d)] = next;
-    next *= sizes[static_cast<size_t>(d)];
-  }
-  return strides;
-}
-
 // t with exactly these strides and a 16-byte aligned data pointer (a copy where it is not so).
 Tensor with_strides(const Tensor& t, const std::vector<int64_t>& strides) {
   const bool aligned = reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
@@ -371,12 +351,8 @@ Outs cudnn_fwd(const Tensor& q, const Tensor& k, const Tensor& v, c10::string_vi
                                                    sdpa_scale(q, scale));
   Tensor lse;
   if (need.any()) {
-    const Tensor& l = std::get<1>(r);
-    g_cudnn_lse_rank.store(static_cast<int>(l.dim()), std::memory_order_relaxed);
-    const std::vector<int64_t> follows = l.dim() == 4 ? matching_strides(q4, l.sizes()) : l.contiguous().strides().vec();
-    if (follows != l.contiguous().strides().vec())
-      g_cudnn_lse_follows_q.store(l.strides() == at::IntArrayRef(follows), std::memory_order_relaxed);
-    lse = grouped_lse(l, q);
+    g_cudnn_lse_rank.store(static_cast<int>(std::get<1>(r).dim()), std::memory_order_relaxed);
+    lse = grouped_lse(std::get<1>(r), q);
   }
   return {grouped(std::get<0>(r), q), lse};
 }
@@ -391,20 +367,18 @@ Grads cudnn_bwd(const Tensor& dout, const Tensor& q, const Tensor& k, const Tens
   // program on q, k, v of these strides, ours runs SDPA's graph (in a training step of the H200,
   // a dout re-laid in o's order was read in SDPA's: dq 173% off). So o, dout and the log-sum-exp
   // go in exactly as SDPA's autograd hands them over for the same call: o as cuDNN's forward laid
-  // it out (q's dim order), dout as it comes (re-laid in o's order only where its last stride is
-  // not 1, as SDPA does), the log-sum-exp as the forward gave it; a graph compiled by either
-  // call reads the other's operands alike. (Data pointers aligned, strides kept: a q one element
-  // into its storage gave a wrong dq on the H200.)
+  // it out (at::empty_like(q), so in_layout_of), dout as it comes (re-laid in o's order only where
+  // its last stride is not 1, as SDPA does), the log-sum-exp dense as the forward gave it (torch
+  // 2.11 for either q layout: bench/results/h200/cudnn_attention_check.json); a graph compiled by
+  // either call reads the other's operands alike. (dout's data pointer aligned, strides kept: a q
+  // one element into its storage gave a wrong dq on the H200.)
   Tensor q4 = unit_last(heads_view(q));
-  Tensor o4 = with_strides(heads_view(o), matching_strides(q4, q4.sizes()));
+  Tensor o4 = in_layout_of(heads_view(o), q4);
   Tensor do4 = heads_view(dout);
   do4 = with_strides(do4, do4.stride(-1) == 1 && do4.is_non_overlapping_and_dense() ? do4.strides().vec()
                                                                                      : o4.strides().vec());
   Tensor l = heads_lse(lse, q);
-  if (g_cudnn_lse_rank.load(std::memory_order_relaxed) == 4) {
-    l = l.unsqueeze(-1);
-    if (g_cudnn_lse_follows_q.load(std::memory_order_relaxed)) l = with_strides(l, matching_strides(q4, l.sizes()));
-  }
+  if (g_cudnn_lse_rank.load(std::memory_order_relaxed) == 4) l = l.unsqueeze(-1);
   auto r = at::_scaled_dot_product_cudnn_attention_backward(
       do4, q4, unit_last(k), unit_last(v), o4, l,
       rng, rng, no_tensor(), no_tensor(), no_tensor(), n, n, 0.0, parse_mask(mask), sdpa_scale(q, scale));
