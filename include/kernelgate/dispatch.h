@@ -157,6 +157,15 @@ struct OpContract {
   std::map<std::string, std::vector<std::string>> output_inputs;
   // The backward receives an undefined gradient for an output nobody used, instead of zeros.
   bool optional_grads = false;
+  // Each output keeps the layout of the first tensor argument it depends on (output_inputs)
+  // that has its sizes, and each gradient its argument's (or, in the backward, its stand-in's),
+  // as at::empty_like gives it: their strides where they are non-overlapping and dense. The
+  // router enforces it after every backend and Meta impl (in_layout_of: a copy only where a
+  // backend returned another layout). Default: every output and gradient dense.
+  // attention: o and dq in attention code's [batch, seq, heads, head_dim] storage, so that its
+  // o.transpose(1, 2).reshape(...) and q's view backward copy nothing, as with SDPA; rope: q_out
+  // and k_out in q's and k's.
+  bool keeps_input_layout = false;
 
   // Filled when the op is added (parse_dims, the op mechanism).
   std::vector<TensorArgSpec> tensor_args;
@@ -178,6 +187,11 @@ uint16_t variant_of(const OpContract& contract, const std::map<std::string, std:
 struct BoundDims {
   std::array<int64_t, kMaxNamedDims> size{};
 };
+
+// t (of model's sizes) with the strides at::empty_like(model) gives: model's where it is
+// non-overlapping and dense, else dense in model's dim order. t itself when it has them, else a
+// copy.
+at::Tensor in_layout_of(const at::Tensor& t, const at::Tensor& model);
 
 // "'a', 'b' or 'c'": the allowed values of an argument, for error messages.
 std::string one_of(const std::vector<std::string>& values);

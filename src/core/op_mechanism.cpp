@@ -75,6 +75,7 @@ struct RoutedOp {
   std::vector<int> grad_args, grad_slot;
   std::vector<int> diff;
   std::vector<uint32_t> out_deps;  // per output: the tensor arguments it depends on (mask)
+  bool keeps_layout = false;       // OpContract::keeps_input_layout
 
   enum class Src { kInput, kOutput, kExtra };
   struct Saved {
@@ -171,6 +172,53 @@ struct RoutedOp {
     return need;
   }
 
+  // ---- OpContract::keeps_input_layout: enforced here, after every backend and Meta impl, so
+  // real and fake results agree whatever a backend returns (one that writes the layout itself
+  // costs nothing more: in_layout_of then returns its tensor).
+
+  // The call's tensor arguments (backward: what its key holds for them, stand-ins included),
+  // held past the pop that consumes them. Empty where the contract does not keep layouts.
+  std::array<Tensor, kMaxTensorArgs> held(const CallView& call) const {
+    std::array<Tensor, kMaxTensorArgs> out;
+    for (int i = 0; keeps_layout && i < call.num_tensors; ++i) {
+      if (call.tensors[i] != nullptr) out[static_cast<size_t>(i)] = *call.tensors[i];
+    }
+    return out;
+  }
+
+  // Each output in the layout of the first tensor argument it depends on that has its sizes.
+  // The stack ends with the outputs of a forward and `extras` more.
+  void keep_output_layouts(Stack& s, const std::array<Tensor, kMaxTensorArgs>& args,
+                           size_t extras) const {
+    const size_t base = s.size() - static_cast<size_t>(n_out) - extras;
+    for (int j = 0; keeps_layout && j < n_out; ++j) {
+      IValue& v = s[base + static_cast<size_t>(j)];
+      if (!v.isTensor() || !v.toTensor().defined()) continue;
+      for (size_t i = 0; i < tensor_pos.size(); ++i) {
+        const Tensor& model = args[i];
+        if ((out_deps[static_cast<size_t>(j)] >> i & 1u) && model.defined() &&
+            model.sizes() == v.toTensor().sizes()) {
+          v = in_layout_of(v.toTensor(), model);
+          break;
+        }
+      }
+    }
+  }
+
+  // Each gradient in its argument's layout. The stack ends with a backward's gradients.
+  void keep_grad_layouts(Stack& s, const std::array<Tensor, kMaxTensorArgs>& args,
+                         GradRequest need) const {
+    const size_t base = s.size() - diff.size();
+    for (size_t k = 0; keeps_layout && k < diff.size(); ++k) {
+      IValue& g = s[base + k];
+      const Tensor& model = args[static_cast<size_t>(diff[k])];
+      if (need(diff[k]) && g.isTensor() && g.toTensor().defined() && model.defined() &&
+          model.sizes() == g.toTensor().sizes()) {
+        g = in_layout_of(g.toTensor(), model);
+      }
+    }
+  }
+
   // ---- routers (CPU, CUDA) --------------------------------------------------------------------
 
   void route_forward(Stack& s, bool training) const {
@@ -181,7 +229,9 @@ struct RoutedOp {
     if (check) check(s, need);
     const BackendImpl& impl = *entry->backends[Dispatcher::get().select(id, call, dims)].impl;
     const at::TensorOptions like = first_options(call);  // the call's tensors are popped below
+    const auto args_held = held(call);
     impl.forward(s, need);
+    keep_output_layouts(s, args_held, n_extra);
     finish_forward(s, like, training);
   }
 
@@ -221,7 +271,9 @@ struct RoutedOp {
     const BackendImpl& impl =
         *entry->backends[Dispatcher::get().select(id, call, dims, /*backward=*/true)].impl;
     const auto like = grad_options(call);  // the call's tensors are popped below
+    const auto args_held = held(call);
     impl.backward(s, need);
+    keep_grad_layouts(s, args_held, need);
     finish_backward(s, like, need);
   }
 
@@ -234,11 +286,14 @@ struct RoutedOp {
     check_call(contract(), call);
     if (check) check(s, need);
     const at::TensorOptions like = first_options(call);
+    const auto args_held = held(call);
     meta(s, need);
+    keep_output_layouts(s, args_held, n_extra);
     finish_forward(s, like, training);
   }
 
-  // A gradient has its argument's shape and dtype, contiguous.
+  // A gradient has its argument's shape and dtype, contiguous (where the contract keeps input
+  // layouts: at::empty_like's, in_layout_of's layout of the argument or its stand-in).
   void meta_backward(Stack& s) const {
     const GradRequest need = pop_request(s);
     const IValue* args = s.data() + (s.size() - n_bwd_args);
@@ -247,10 +302,11 @@ struct RoutedOp {
     std::vector<Tensor> grads;
     for (size_t k = 0; k < diff.size(); ++k) {
       const at::Tensor* t = call.tensors[diff[k]];
-      grads.push_back(
-          need(diff[k]) && t != nullptr && t->defined()
-              ? at::empty(t->sizes(), t->options().memory_format(at::MemoryFormat::Contiguous))
-              : at::empty({0}, like[k]));
+      const bool want = need(diff[k]) && t != nullptr && t->defined();
+      grads.push_back(!want ? at::empty({0}, like[k])
+                      : contract().keeps_input_layout
+                          ? at::empty_like(*t, at::MemoryFormat::Preserve)
+                          : at::empty(t->sizes(), t->options().memory_format(at::MemoryFormat::Contiguous)));
     }
     torch::jit::drop(s, n_bwd_args);
     for (auto& g : grads) s.emplace_back(std::move(g));
@@ -409,7 +465,11 @@ bool serve_eager(const RoutedOp& op, Stack& s, GradRequest need) {
   const BoundDims dims = check_call(op.contract(), call);
   if (Dispatcher::get().select(op.id, call, dims) != op.eager_index) return false;
   if (op.check) op.check(s, need);
+  const auto args_held = op.held(call);
   op.eager(s);
+  // Its outputs in the layout every backend gives them (under autograd, a recorded copy where
+  // PyTorch's code gave another); its gradients are PyTorch's.
+  op.keep_output_layouts(s, args_held, 0);
   return true;
 }
 
@@ -488,6 +548,21 @@ void autograd_forward(const RoutedOp& op, const c10::OperatorHandle& handle, c10
   s.resize(s.size() - op.n_extra);
 }
 
+}  // namespace
+
+at::Tensor in_layout_of(const at::Tensor& t, const at::Tensor& model) {
+  TORCH_INTERNAL_ASSERT(t.sizes() == model.sizes(), "in_layout_of: sizes ", t.sizes(), " and ",
+                        model.sizes());
+  if (model.is_non_overlapping_and_dense()) {
+    if (t.strides() == model.strides()) return t;
+    return at::empty_strided(model.sizes(), model.strides(), t.options()).copy_(t);
+  }
+  at::Tensor out = at::empty_like(model, t.options());  // its strides for a model not dense
+  return out.strides() == t.strides() ? t : out.copy_(t);
+}
+
+namespace {
+
 // ---- the reference as a backend (reference_backend())
 // --------------------------------------------
 
@@ -500,7 +575,9 @@ class ReferenceAutograd final : public BackendImpl {
       at::AutoGradMode no_grad(false);
       op_->ref->callBoxed(s);
     }
-    // Dense outputs, as the Meta impls promise.
+    // Dense outputs, as the Meta impls promise (where the contract keeps input layouts, the
+    // router gives them their layouts).
+    if (op_->keeps_layout) return;
     for (size_t i = s.size() - op_->n_out; i < s.size(); ++i) s[i] = s[i].toTensor().contiguous();
   }
 
@@ -551,8 +628,13 @@ class ReferenceAutograd final : public BackendImpl {
       }
       Tensor g = next < got.size() ? got[next] : Tensor();
       ++next;
-      s.emplace_back(g.defined() ? g.contiguous()
-                                 : at::zeros_like(inputs[d], at::MemoryFormat::Contiguous));
+      const bool keep = op_->keeps_layout;  // the router lays it out then
+      if (!g.defined()) {
+        s.emplace_back(at::zeros_like(inputs[d], keep ? at::MemoryFormat::Preserve
+                                                       : at::MemoryFormat::Contiguous));
+      } else {
+        s.emplace_back(keep ? g : g.contiguous());
+      }
     }
   }
 
@@ -853,6 +935,7 @@ OpId OpDeclaration::install() {
     }
     op->out_deps.push_back(mask);
   }
+  op->keeps_layout = c.keeps_input_layout;
   for (const auto& [out, deps] : c.output_inputs) {
     TORCH_CHECK(std::find(c.outputs.begin(), c.outputs.end(), out) != c.outputs.end(), "op ",
                 c.name, ": output_inputs names '", out, "', which is not an output");
@@ -949,10 +1032,12 @@ OpId OpDeclaration::install() {
               ": its first backend must be the reference");
 
   if (st.eager) {
-    // Outputs dense, as the Meta impls promise (most ATen ops keep a strided input's strides).
-    op->eager = [fn = std::move(st.eager), n = static_cast<size_t>(op->n_out)](Stack& s) {
+    // Outputs dense, as the Meta impls promise (most ATen ops keep a strided input's strides);
+    // where the contract keeps input layouts, as they come: the router lays them out.
+    op->eager = [fn = std::move(st.eager), n = static_cast<size_t>(op->n_out),
+                 keep = c.keeps_input_layout](Stack& s) {
       fn(s);
-      for (size_t i = s.size() - n; i < s.size(); ++i) {
+      for (size_t i = s.size() - n; !keep && i < s.size(); ++i) {
         if (s[i].isTensor() && s[i].toTensor().defined()) s[i] = s[i].toTensor().contiguous();
       }
     };

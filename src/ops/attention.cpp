@@ -54,38 +54,44 @@ Tensor bad_heads(const Tensor& lse) {
   return at::isfinite(lse).logical_not().flatten(2).any(-1);
 }
 
-// Sets to NaN each flagged kv head's slice of the (dense) gradients dq [batch, kv_heads, group,
-// seq, head_dim], dk and dv [batch, kv_heads, seq, head_dim]; undefined ones are skipped.
+// Sets to NaN each flagged kv head's elements of the gradients dq [batch, kv_heads, group, seq,
+// head_dim], dk and dv [batch, kv_heads, seq, head_dim] (any strides); undefined ones are skipped.
 void poison(Grads& g, const Tensor& bad) {
   Tensor* grads[] = {&std::get<0>(g), &std::get<1>(g), &std::get<2>(g)};
-  const int64_t heads = bad.numel();
 #ifdef KERNELGATE_WITH_CUDA
   const Tensor* first = nullptr;
   for (Tensor* t : grads) {
     if (t->defined()) first = first ? first : t;
   }
   if (first != nullptr && first->is_cuda() && first->scalar_type() != at::kDouble) {
-    void* ptrs[kernels::kAttentionMaxPoisoned] = {};
-    int64_t per_head[kernels::kAttentionMaxPoisoned] = {};
+    kernels::AttentionGrad views[kernels::kAttentionMaxPoisoned];
     for (int i = 0; i < kernels::kAttentionMaxPoisoned; ++i) {
-      if (!grads[i]->defined() || heads == 0) continue;
-      TORCH_INTERNAL_ASSERT(grads[i]->is_contiguous() && grads[i]->scalar_type() == first->scalar_type());
-      ptrs[i] = grads[i]->data_ptr();
-      per_head[i] = grads[i]->numel() / heads;
+      const Tensor& t = *grads[i];
+      if (!t.defined() || t.numel() == 0) continue;
+      TORCH_INTERNAL_ASSERT(t.scalar_type() == first->scalar_type() && t.dim() <= kernels::kAttentionMaxDims);
+      views[i].ptr = t.data_ptr();
+      views[i].dims = static_cast<int>(t.dim());
+      for (int64_t d = 0; d < t.dim(); ++d) {
+        views[i].sizes[d] = t.size(d);
+        views[i].strides[d] = t.stride(d);
+      }
     }
     CudaContext ctx(*first);
     Tensor flags = bad.contiguous();
-    check_cuda(kernels::attention_poison_heads_cuda(ptrs, per_head, kernels::kAttentionMaxPoisoned,
-                                                    flags.const_data_ptr<bool>(), heads,
-                                                    kernel_dtype(first->scalar_type()), ctx.stream),
+    check_cuda(kernels::attention_poison_heads_cuda(views, kernels::kAttentionMaxPoisoned,
+                                                    flags.const_data_ptr<bool>(), bad.size(0),
+                                                    bad.size(1), kernel_dtype(first->scalar_type()),
+                                                    ctx.stream),
                "attention gradient rule");
     return;
   }
 #endif
   for (Tensor* t : grads) {
-    if (t->defined() && heads > 0) {
-      *t = t->view({heads, -1}).masked_fill(bad.view({heads, 1}), std::nan("")).view(t->sizes());
-    }
+    if (!t->defined()) continue;
+    std::vector<int64_t> flag_shape(static_cast<size_t>(t->dim()), 1);
+    flag_shape[0] = bad.size(0);
+    flag_shape[1] = bad.size(1);
+    *t = in_layout_of(t->masked_fill(bad.view(flag_shape), std::nan("")), *t);
   }
 }
 
@@ -176,7 +182,7 @@ Outs reference_fwd(const Tensor& q, const Tensor& k, const Tensor& v, c10::strin
                    double scale, GradRequest need) {
   const bool causal = parse_mask(mask);
   Tensor s = scores(q, k, causal, scale_of(q, scale));
-  Tensor o = attend(probabilities(s, q, causal), q, v).contiguous();
+  Tensor o = in_layout_of(attend(probabilities(s, q, causal), q, v), q);
   Tensor lse;
   if (need.any()) {
     Tensor m = std::get<0>(s.max(-1, /*keepdim=*/true));
@@ -197,16 +203,16 @@ Grads reference_bwd(const Tensor& dout, const Tensor& q, const Tensor& k, const 
   Tensor p = probabilities(scores(q, k, causal, scale_of(q, scale)), q, causal);
   Tensor g = in_dtype(dout, mm);
   Tensor dq, dk, dv;
-  if (need(2)) dv = at::matmul(in_dtype(p, mm).transpose(-1, -2), g).sum(2).to(v.scalar_type()).contiguous();
+  if (need(2)) dv = in_layout_of(at::matmul(in_dtype(p, mm).transpose(-1, -2), g).sum(2).to(v.scalar_type()), v);
   if (need(0) || need(1)) {
     Tensor dp = in_dtype(at::matmul(g, in_dtype(v, mm).unsqueeze(2).transpose(-1, -2)), acc);
     if (causal) dp = dp.masked_fill(above_diagonal(q), 0.0);
     Tensor ds = p * (dp - (p * dp).sum(-1, /*keepdim=*/true));
     if (causal) ds = ds.masked_fill(above_diagonal(q), 0.0);
     ds = in_dtype(ds * scale_of(q, scale), mm);
-    if (need(0)) dq = at::matmul(ds, in_dtype(k, mm).unsqueeze(2)).to(q.scalar_type()).contiguous();
+    if (need(0)) dq = in_layout_of(at::matmul(ds, in_dtype(k, mm).unsqueeze(2)).to(q.scalar_type()), q);
     if (need(1)) {
-      dk = at::matmul(ds.transpose(-1, -2), in_dtype(q, mm)).sum(2).to(k.scalar_type()).contiguous();
+      dk = in_layout_of(at::matmul(ds.transpose(-1, -2), in_dtype(q, mm)).sum(2).to(k.scalar_type()), k);
     }
   }
   Grads out{dq, dk, dv};
@@ -215,13 +221,14 @@ Grads reference_bwd(const Tensor& dout, const Tensor& q, const Tensor& k, const 
 }
 
 // ---- q as attention code holds it: [batch, heads, seq, head_dim] (a view where its strides
-// allow), and the output back in the op's grouped form, dense.
+// allow), and the output back in the op's grouped form, in q's layout (in_layout_of: a view of
+// what the kernel wrote where its strides are q's, as flash's are for attention code's q).
 
 Tensor heads_view(const Tensor& q) {
   return q.reshape({q.size(0), q.size(1) * q.size(2), q.size(3), q.size(4)});
 }
 
-Tensor grouped(const Tensor& o4, const Tensor& q) { return o4.reshape(q.sizes()).contiguous(); }
+Tensor grouped(const Tensor& o4, const Tensor& q) { return in_layout_of(o4.reshape(q.sizes()), q); }
 
 // k or v with each kv head repeated for its group of query heads: [batch, heads, seq, head_dim]
 // (a copy; the kernels without grouped heads of their own take it).
@@ -250,10 +257,13 @@ Tensor unit_last(const Tensor& t) {
   return ok ? t : t.clone(at::MemoryFormat::Contiguous);
 }
 
-// Dense and 16-byte aligned: a copy where it is not (cuDNN's backward).
-Tensor dense(const Tensor& t) {
-  const bool aligned = reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
-  return t.is_contiguous() && aligned ? t : t.clone(at::MemoryFormat::Contiguous);
+// A kernel's log-sum-exp ([batch, heads, seq] with whatever trailing unit dim) as the op keeps
+// it, [batch, kv_heads, group, seq] dense; and back as the kernels take it, [batch, heads, seq].
+Tensor grouped_lse(const Tensor& l, const Tensor& q) {
+  return l.reshape({q.size(0), q.size(1), q.size(2), q.size(3)}).contiguous();
+}
+Tensor heads_lse(const Tensor& lse, const Tensor& q) {
+  return lse.reshape({q.size(0), q.size(1) * q.size(2), q.size(3)});
 }
 
 std::optional<double> sdpa_scale(const Tensor& q, double scale) {
@@ -304,8 +314,7 @@ Outs flash_fwd(const Tensor& q, const Tensor& k, const Tensor& v, c10::string_vi
   Tensor q4 = unit_last(heads_view(q));
   auto r = at::_scaled_dot_product_flash_attention(q4, unit_last(k), unit_last(v), 0.0,
                                                    parse_mask(mask), false, sdpa_scale(q, scale));
-  Tensor lse = need.any() ? std::get<1>(r).reshape({q.size(0), q.size(1), q.size(2), q.size(3)}).contiguous()
-                          : Tensor();
+  Tensor lse = need.any() ? grouped_lse(std::get<1>(r), q) : Tensor();
   return {grouped(std::get<0>(r), q), lse};
 }
 
@@ -313,11 +322,12 @@ Grads flash_bwd(const Tensor& dout, const Tensor& q, const Tensor& k, const Tens
                 const Tensor& o, const Tensor& lse, c10::string_view mask, double scale,
                 GradRequest) {
   const int64_t n = q.size(3);
+  const Tensor rng = no_rng();
   auto r = at::_scaled_dot_product_flash_attention_backward(
       unit_last(heads_view(dout)), unit_last(heads_view(q)), unit_last(k), unit_last(v),
-      unit_last(heads_view(o)), lse.reshape({q.size(0), q.size(1) * q.size(2), n}), no_tensor(), no_tensor(),
-      n, n, 0.0, parse_mask(mask), no_rng(), no_rng(), sdpa_scale(q, scale));
-  Grads g{grouped(std::get<0>(r), q), std::get<1>(r).contiguous(), std::get<2>(r).contiguous()};
+      unit_last(heads_view(o)), heads_lse(lse, q), no_tensor(), no_tensor(), n, n, 0.0,
+      parse_mask(mask), rng, rng, sdpa_scale(q, scale));
+  Grads g{grouped(std::get<0>(r), q), in_layout_of(std::get<1>(r), k), in_layout_of(std::get<2>(r), v)};
   poison(g, bad_heads(lse));
   return g;
 }
@@ -325,17 +335,24 @@ Grads flash_bwd(const Tensor& dout, const Tensor& q, const Tensor& k, const Tens
 // The cuDNN kernel's log-sum-exp has a trailing unit dim in some PyTorch releases: its forward
 // says which, its backward gets it back in that form.
 std::atomic<int> g_cudnn_lse_rank{4};
+// t with exactly these strides and a 16-byte aligned data pointer (a copy where it is not so).
+Tensor with_strides(const Tensor& t, const std::vector<int64_t>& strides) {
+  const bool aligned = reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
+  if (aligned && t.strides() == at::IntArrayRef(strides)) return t;
+  return at::empty_strided(t.sizes(), strides, t.options()).copy_(t);
+}
 
 Outs cudnn_fwd(const Tensor& q, const Tensor& k, const Tensor& v, c10::string_view mask,
                double scale, GradRequest need) {
-  const int64_t group = q.size(2);
-  auto r = at::_scaled_dot_product_cudnn_attention(
-      unit_last(heads_view(q)), unit_last(repeated(k, group)), unit_last(repeated(v, group)),
-      std::nullopt, need.any(), 0.0, parse_mask(mask), false, sdpa_scale(q, scale));
+  // Grouped heads natively (kv head h / group serves query head h), as SDPA's GQA calls it.
+  Tensor q4 = unit_last(heads_view(q));
+  auto r = at::_scaled_dot_product_cudnn_attention(q4, unit_last(k), unit_last(v), std::nullopt,
+                                                   need.any(), 0.0, parse_mask(mask), false,
+                                                   sdpa_scale(q, scale));
   Tensor lse;
   if (need.any()) {
     g_cudnn_lse_rank.store(static_cast<int>(std::get<1>(r).dim()), std::memory_order_relaxed);
-    lse = std::get<1>(r).reshape({q.size(0), q.size(1), q.size(2), q.size(3)}).contiguous();
+    lse = grouped_lse(std::get<1>(r), q);
   }
   return {grouped(std::get<0>(r), q), lse};
 }
@@ -343,18 +360,29 @@ Outs cudnn_fwd(const Tensor& q, const Tensor& k, const Tensor& v, c10::string_vi
 Grads cudnn_bwd(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                 const Tensor& o, const Tensor& lse, c10::string_view mask, double scale,
                 GradRequest) {
-  const int64_t group = q.size(2), n = q.size(3), heads = q.size(1) * group;
-  std::vector<int64_t> lse_shape = {q.size(0), heads, n};
-  if (g_cudnn_lse_rank.load(std::memory_order_relaxed) == 4) lse_shape.push_back(1);
-  // Every operand dense and aligned: cuDNN's backward reads dout in o's layout, and a q one
-  // element into its storage gave a wrong dq on the H200.
-  Tensor kr = dense(repeated(k, group)), vr = dense(repeated(v, group));
+  const int64_t n = q.size(3);
+  const Tensor rng = cudnn_rng(q);
+  // ATen caches cuDNN's compiled backward by the sizes and strides of q, k and v alone, and the
+  // strides of o, dout and the log-sum-exp are built into it: after an SDPA call elsewhere in the
+  // program on q, k, v of these strides, ours runs SDPA's graph (in a training step of the H200,
+  // a dout re-laid in o's order was read in SDPA's: dq 173% off). So o, dout and the log-sum-exp
+  // go in exactly as SDPA's autograd hands them over for the same call: o as cuDNN's forward laid
+  // it out (at::empty_like(q), so in_layout_of), dout as it comes (re-laid in o's order only where
+  // its last stride is not 1, as SDPA does), the log-sum-exp dense as the forward gave it (torch
+  // 2.11 for either q layout: bench/results/h200/cudnn_attention_check.json); a graph compiled by
+  // either call reads the other's operands alike. (dout's data pointer aligned, strides kept: a q
+  // one element into its storage gave a wrong dq on the H200.)
+  Tensor q4 = unit_last(heads_view(q));
+  Tensor o4 = in_layout_of(heads_view(o), q4);
+  Tensor do4 = heads_view(dout);
+  do4 = with_strides(do4, do4.stride(-1) == 1 && do4.is_non_overlapping_and_dense() ? do4.strides().vec()
+                                                                                     : o4.strides().vec());
+  Tensor l = heads_lse(lse, q);
+  if (g_cudnn_lse_rank.load(std::memory_order_relaxed) == 4) l = l.unsqueeze(-1);
   auto r = at::_scaled_dot_product_cudnn_attention_backward(
-      dense(heads_view(dout)), dense(heads_view(q)), kr, vr, dense(heads_view(o)),
-      lse.reshape(lse_shape), cudnn_rng(q), cudnn_rng(q), no_tensor(), no_tensor(), no_tensor(), n, n, 0.0,
-      parse_mask(mask), sdpa_scale(q, scale));
-  Grads g{grouped(std::get<0>(r), q), summed(std::get<1>(r), k, group).contiguous(),
-          summed(std::get<2>(r), v, group).contiguous()};
+      do4, q4, unit_last(k), unit_last(v), o4, l,
+      rng, rng, no_tensor(), no_tensor(), no_tensor(), n, n, 0.0, parse_mask(mask), sdpa_scale(q, scale));
+  Grads g{grouped(std::get<0>(r), q), in_layout_of(std::get<1>(r), k), in_layout_of(std::get<2>(r), v)};
   poison(g, bad_heads(lse));
   return g;
 }
@@ -373,7 +401,7 @@ Outs efficient_fwd(const Tensor& q, const Tensor& k, const Tensor& v, c10::strin
   if (need.any()) {
     const Tensor& l = std::get<1>(r);
     if (n % 32 != 0) g_efficient_lse_padded.store(l.size(-1) != n, std::memory_order_relaxed);
-    lse = l.narrow(-1, 0, n).reshape({q.size(0), q.size(1), group, n}).contiguous();
+    lse = grouped_lse(l.narrow(-1, 0, n), q);
   }
   return {grouped(std::get<0>(r), q), lse};
 }
@@ -381,8 +409,9 @@ Outs efficient_fwd(const Tensor& q, const Tensor& k, const Tensor& v, c10::strin
 Grads efficient_bwd(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                     const Tensor& o, const Tensor& lse, c10::string_view mask, double scale,
                     GradRequest need) {
-  const int64_t group = q.size(2), n = q.size(3), heads = q.size(1) * group;
-  Tensor l = lse.reshape({q.size(0), heads, n});
+  const int64_t group = q.size(2), n = q.size(3);
+  Tensor l = heads_lse(lse, q);
+  const Tensor rng = no_rng();
   const int64_t padded = (n + 31) / 32 * 32;
   if (padded != n && g_efficient_lse_padded.load(std::memory_order_relaxed))
     l = at::constant_pad_nd(l, {0, padded - n});
@@ -392,11 +421,11 @@ Grads efficient_bwd(const Tensor& dout, const Tensor& q, const Tensor& k, const 
   Tensor o_bmhk = heads_view(o).transpose(1, 2).contiguous().transpose(1, 2);
   auto r = at::_scaled_dot_product_efficient_attention_backward(
       unit_last(heads_view(dout)), unit_last(heads_view(q)), unit_last(repeated(k, group)),
-      unit_last(repeated(v, group)), no_tensor(), o_bmhk, l, no_rng(), no_rng(), 0.0,
+      unit_last(repeated(v, group)), no_tensor(), o_bmhk, l, rng, rng, 0.0,
       {need(0), need(1), need(2), false}, parse_mask(mask), sdpa_scale(q, scale));
   Tensor dq = std::get<0>(r), dk = std::get<1>(r), dv = std::get<2>(r);
-  Grads g{dq.defined() ? grouped(dq, q) : dq, summed(dk, k, group).contiguous(),
-          summed(dv, v, group).contiguous()};
+  Grads g{dq.defined() ? grouped(dq, q) : dq, dk.defined() ? in_layout_of(summed(dk, k, group), k) : dk,
+          dv.defined() ? in_layout_of(summed(dv, v, group), v) : dv};
   poison(g, bad_heads(lse));
   return g;
 }
@@ -412,7 +441,7 @@ void check_args(const Tensor&, const Tensor&, const Tensor&, c10::string_view ma
 
 Outs meta(const Tensor& q, const Tensor&, const Tensor&, c10::string_view, double) {
   std::vector<int64_t> rows(q.sizes().begin(), q.sizes().end() - 1);
-  return {at::empty(q.sizes(), q.options()), at::empty(rows, q.options().dtype(acc_type(q)))};
+  return {at::empty_like(q, at::MemoryFormat::Preserve), at::empty(rows, q.options().dtype(acc_type(q)))};
 }
 
 OpContract contract() {
@@ -442,6 +471,8 @@ OpContract contract() {
   c.outputs = {"o"};
   c.extras = {"lse"};
   c.saved = {"q", "k", "v", "o", "lse"};
+  // o and dq in attention code's layout of q (dk, dv in k's, v's), as SDPA returns them.
+  c.keeps_input_layout = true;
   return c;
 }
 

@@ -39,9 +39,10 @@ Tensor in_dtype(const Tensor& t, at::ScalarType acc) {
 
 at::ScalarType acc_type(const Tensor& x) { return at::promote_types(x.scalar_type(), at::kFloat); }
 
-// t in x's dtype, contiguous: the layout every backend returns (and the Meta impls promise),
-// whatever layout ATen's elementwise ops chose for a strided x.
-Tensor dense(const Tensor& t, const Tensor& x) { return in_dtype(t, x.scalar_type()).contiguous(); }
+// t in x's dtype and layout (as at::empty_like(x) has it): the layout every backend returns for
+// x's output or gradient (the contract keeps input layouts), whatever layout ATen's elementwise
+// ops chose.
+Tensor like(const Tensor& t, const Tensor& x) { return in_layout_of(in_dtype(t, x.scalar_type()), x); }
 
 Tensor rotate_half(const Tensor& x) {
   const int64_t h = x.size(-1) / 2;
@@ -68,15 +69,15 @@ TensorPair rope_reference_fwd(const Tensor& q, const Tensor& k, const Tensor& co
                               const Tensor& sin) {
   const auto acc = acc_type(q);
   Tensor c = per_head(cos, acc), s = per_head(sin, acc);
-  return {dense(rope_math(in_dtype(q, acc), c, s), q), dense(rope_math(in_dtype(k, acc), c, s), k)};
+  return {like(rope_math(in_dtype(q, acc), c, s), q), like(rope_math(in_dtype(k, acc), c, s), k)};
 }
 
 TensorPair rope_reference_bwd(const Tensor& gq, const Tensor& gk, const Tensor& cos,
                               const Tensor& sin) {
   const auto acc = acc_type(gq);
   Tensor c = per_head(cos, acc), s = per_head(sin, acc);
-  return {dense(rope_math_bwd(in_dtype(gq, acc), c, s), gq),
-          dense(rope_math_bwd(in_dtype(gk, acc), c, s), gk)};
+  return {like(rope_math_bwd(in_dtype(gq, acc), c, s), gq),
+          like(rope_math_bwd(in_dtype(gk, acc), c, s), gk)};
 }
 
 // x * c + rotate_half(x) * s with each temporary freed where Python frees it: one C++ expression
@@ -118,7 +119,7 @@ TensorQuad norm_reference_math(const Tensor& q, const Tensor& k, const Tensor& q
   Tensor c = per_head(cos, acc), s = per_head(sin, acc);
   auto [qn, q_rstd] = head_rms_norm(q, qw, eps, acc);
   auto [kn, k_rstd] = head_rms_norm(k, kw, eps, acc);
-  return {dense(rope_math(qn, c, s), q), dense(rope_math(kn, c, s), k), q_rstd, k_rstd};
+  return {like(rope_math(qn, c, s), q), like(rope_math(kn, c, s), k), q_rstd, k_rstd};
 }
 
 TensorQuad norm_reference_fwd(const Tensor& q, const Tensor& k, const Tensor& qw, const Tensor& kw,
@@ -138,7 +139,7 @@ TensorPair head_norm_rope_bwd(const Tensor& g, const Tensor& x, const Tensor& w,
   Tensor dx = r * (gw - xhat * (gw * xhat).mean(-1, /*keepdim=*/true));
   Tensor dw = weight_grad ? (dn * xhat).reshape({-1, x.size(-1)}).sum(0).to(w.scalar_type())
                           : at::empty({0}, w.options());
-  return {dense(dx, x), dw};
+  return {like(dx, x), dw};
 }
 
 TensorQuad norm_reference_bwd(const Tensor& gq, const Tensor& gk, const Tensor& q, const Tensor& k,
@@ -177,9 +178,9 @@ kernels::RopeStrides strides_of(const Tensor& t) {
   return {st(0), st(1), st(2)};
 }
 
-Tensor dense_like(const Tensor& t) {
-  return at::empty(t.sizes(), t.options().memory_format(at::MemoryFormat::Contiguous));
-}
+// An output or gradient for t, in t's layout (the contract keeps input layouts; the kernels
+// write any strides).
+Tensor out_like(const Tensor& t) { return at::empty_like(t); }
 
 kernels::RopeProblem problem(const Tensor& q, const Tensor& k, const Tensor& cos, const Tensor& sin,
                              const Tensor& q_out, const Tensor& k_out) {
@@ -205,7 +206,7 @@ TensorPair rope_cuda_apply(const Tensor& x_q, const Tensor& x_k, const Tensor& c
                            const Tensor& sin, bool backward) {
   CudaContext ctx(x_q);
   Tensor q = unit_last(x_q), k = unit_last(x_k), c = unit_last(cos), s = unit_last(sin);
-  Tensor qo = dense_like(q), ko = dense_like(k);
+  Tensor qo = out_like(q), ko = out_like(k);
   check_cuda(kernels::rope_cuda(qo.data_ptr(), ko.data_ptr(), q.const_data_ptr(),
                                 k.const_data_ptr(), c.const_data_ptr(), s.const_data_ptr(),
                                 problem(q, k, c, s, qo, ko), backward, ctx.stream),
@@ -226,7 +227,7 @@ TensorQuad norm_cuda_fwd(const Tensor& x_q, const Tensor& x_k, const Tensor& qw,
   CudaContext ctx(x_q);
   Tensor q = unit_last(x_q), k = unit_last(x_k), c = unit_last(cos), s = unit_last(sin);
   Tensor qwc = qw.contiguous(), kwc = kw.contiguous();
-  Tensor qo = dense_like(q), ko = dense_like(k);
+  Tensor qo = out_like(q), ko = out_like(k);
   const auto f32 = q.options().dtype(at::kFloat);
   Tensor qr = want_rstd ? at::empty({q.size(0), q.size(1), q.size(2)}, f32) : Tensor();
   Tensor kr = want_rstd ? at::empty({k.size(0), k.size(1), k.size(2)}, f32) : Tensor();
@@ -247,7 +248,7 @@ TensorQuad norm_cuda_bwd(const Tensor& g_q, const Tensor& g_k, const Tensor& x_q
   Tensor c = unit_last(cos), s = unit_last(sin);
   Tensor qwc = qw.contiguous(), kwc = kw.contiguous();
   Tensor qr = q_rstd.contiguous(), kr = k_rstd.contiguous();
-  Tensor dq = dense_like(q), dk = dense_like(k);
+  Tensor dq = out_like(q), dk = out_like(k);
   kernels::RopeProblem p = problem(gq, gk, c, s, dq, dk);
   Tensor dqw = weight_grad ? at::empty_like(qwc) : at::empty({0}, qw.options());
   Tensor dkw = weight_grad ? at::empty_like(kwc) : at::empty({0}, kw.options());
@@ -308,19 +309,19 @@ void check_norm(const Tensor& q, const Tensor&, const Tensor&, const Tensor&, co
               "qk_norm_rope: eps must be a finite number >= 0, got ", number(eps));
 }
 
-Tensor dense_meta(const Tensor& t) { return at::empty_like(t, at::MemoryFormat::Contiguous); }
+Tensor out_meta(const Tensor& t) { return at::empty_like(t); }
 
 Tensor rstd_meta(const Tensor& x) {
   return at::empty({x.size(0), x.size(1), x.size(2)}, x.options().dtype(at::kFloat));
 }
 
 TensorPair rope_meta(const Tensor& q, const Tensor& k, const Tensor&, const Tensor&) {
-  return {dense_meta(q), dense_meta(k)};
+  return {out_meta(q), out_meta(k)};
 }
 
 TensorQuad norm_meta(const Tensor& q, const Tensor& k, const Tensor&, const Tensor&, const Tensor&,
                      const Tensor&, double) {
-  return {dense_meta(q), dense_meta(k), rstd_meta(q), rstd_meta(k)};
+  return {out_meta(q), out_meta(k), rstd_meta(q), rstd_meta(k)};
 }
 
 template <NormFwd F>
@@ -362,6 +363,10 @@ void add_llm_shapes(OpContract& c) {
                   {"seq", {1, 65536}}, {"head_dim", {2, 512}}, {"cos_batch", {1, 1}}};
   c.dim_multiples = {{"head_dim", 2}};  // rope rotates two halves
   c.outputs = {"q_out", "k_out"};
+  // q_out, k_out and the gradients in q's and k's layout: for attention code's views, SDPA then
+  // returns o in that layout too, and neither o.transpose(1, 2).reshape(...) nor the projections'
+  // backward copies (with dense outputs a training step copied three tensors per layer).
+  c.keeps_input_layout = true;
   // cos and sin are constants to autograd (the reference detaches them).
   c.no_grad = {"cos", "sin"};
 }

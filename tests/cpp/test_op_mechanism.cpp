@@ -316,3 +316,28 @@ TEST(OpMechanismDoubleBackward, RefusesClearlyWhenInputsAreNotKept) {
 
 }  // namespace
 }  // namespace kernelgate
+
+// in_layout_of: what an op that keeps its inputs' layout (OpContract::keeps_input_layout) gives
+// its outputs and gradients.
+TEST(InLayoutOf, KeepsADenseModelsStridesAndCopiesOnlyWhereTheyDiffer) {
+  using kernelgate::in_layout_of;
+  // attention code's q: [batch, heads, seq, head_dim] as a view of [batch, seq, heads, head_dim].
+  const at::Tensor model = at::randn({2, 5, 3, 4}).transpose(1, 2);
+  const at::Tensor dense = model.contiguous();
+  const at::Tensor kept = in_layout_of(dense, model);
+  EXPECT_EQ(kept.strides(), model.strides());
+  EXPECT_TRUE(at::equal(kept, dense));
+  // Already in that layout: the same tensor, no copy.
+  EXPECT_TRUE(in_layout_of(model, model).is_same(model));
+  // A model that is not dense (padded rows of attention code's q, a stride-0 expand): the strides
+  // at::empty_like gives it, dense (in the padded q's dim order: not contiguous).
+  const at::Tensor values = at::randn({2, 3, 5, 4});
+  for (const at::Tensor& other : {at::randn({2, 5, 3, 6}).narrow(-1, 0, 4).transpose(1, 2),
+                                  at::randn({1, 3, 5, 4}).expand({2, 3, 5, 4})}) {
+    const at::Tensor got = in_layout_of(values, other);
+    EXPECT_EQ(got.strides(), at::empty_like(other).strides());
+    EXPECT_TRUE(got.is_non_overlapping_and_dense());
+    EXPECT_TRUE(at::equal(got, values));
+  }
+  EXPECT_FALSE(in_layout_of(values, at::randn({2, 5, 3, 6}).narrow(-1, 0, 4).transpose(1, 2)).is_contiguous());
+}

@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import kernelgate as kg
 from kernelgate.testing import check_against_oracle, poison_cuda_allocator
@@ -126,6 +127,67 @@ def test_cpu_nonfinite_query_makes_its_kv_heads_gradients_nan(value):
     assert_rule(o64, grads64, o64, grads64, torch.float32)
 
 
+def layouts_of_a_step(backend, device, dtype, shape=(2, 4, 2, 37, 16), qk_dense=False):
+    """o, and the gradients the op hands back for its q, k and v, of a call as attention code
+    makes it: q, k, v views of [batch, seq, heads, head_dim] projections (qk_dense: q and k dense
+    [batch, heads, seq, head_dim], as kg.rope returns them), the output gradient a view of the
+    [batch, seq, heads * head_dim] gradient of the output projection's input. backend
+    "sdpa_cudnn": PyTorch's SDPA with its cuDNN kernel, not kernelgate."""
+    b, h, hkv, s, d = shape
+    gen = torch.Generator().manual_seed(5)
+    x64 = [torch.randn(b, s, n, d, generator=gen, dtype=torch.float64) for n in (h, hkv, hkv)]
+    x = [t.to(device, dtype).requires_grad_(True) for t in x64]
+    q, k, v = (t.transpose(1, 2) for t in x)
+    if qk_dense:
+        q, k = q.contiguous(), k.contiguous()
+    got = {}
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        t.register_hook(lambda g, name=name: got.__setitem__(name, g))
+    if backend == "sdpa_cudnn":
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    else:
+        with kg.use(force={"attention": backend}):
+            o = kg.attention(q, k, v)
+    w = torch.randn(b, s, h * d, generator=gen, dtype=torch.float64)
+    (o.transpose(1, 2).reshape(b, s, h * d) * w.to(device, dtype)).sum().backward()
+    return q, k, v, o, got, (x64, w)
+
+
+def assert_layouts_kept(q, k, v, o, got, _):
+    # o in q's layout, as SDPA returns it (for a q of [batch, seq, heads, head_dim] storage, attention
+    # code's o.transpose(1, 2).reshape(...) is then a view); each gradient in its argument's layout.
+    assert o.stride() == q.stride(), (o.stride(), q.stride())
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        assert got[name].stride() == t.stride(), (name, got[name].stride(), t.stride())
+
+
+def assert_values_of_a_step(run, ref, dtype):
+    """The backend's o and gradients of a step's layouts against the float64 definition (and the
+    reference backend's error on the same call, as the sweep judges)."""
+    q, k, v, o, got, (x64, w) = run
+    leaves = [t.transpose(1, 2).requires_grad_(True) for t in x64]
+    want = definition(*leaves, True, None)
+    b, h, s, d = want.shape
+    do = w.view(b, s, h, d).transpose(1, 2)
+    want_grads = torch.autograd.grad(want, leaves, do)
+    check_against_oracle("o", o.cpu(), ref[3].cpu(), want, dtype)
+    for name, wg in zip("qkv", want_grads):
+        check_against_oracle("d" + name, got[name].cpu(), ref[4][name].cpu(), wg, dtype)
+
+
+@pytest.mark.parametrize("qk_dense", [False, True], ids=["views", "qk_dense"])
+@pytest.mark.parametrize("backend", ["reference", "eager"])
+def test_cpu_outputs_and_gradients_keep_attention_codes_layout(backend, qk_dense):
+    shape = (2, 4, 2, 37, 16)
+    run = layouts_of_a_step(backend, "cpu", torch.float32, shape, qk_dense)
+    assert_values_of_a_step(run, layouts_of_a_step("reference", "cpu", torch.float32, shape, qk_dense), torch.float32)
+    if backend == "eager":
+        assert run[3].stride() == run[0].stride()  # its training call is served with SDPA's own autograd
+        return
+    assert_layouts_kept(*run)
+
+
 def test_bad_input_errors():
     q, k, v = (t.float() for t in inputs(1, 4, 2, 8, 16)[:3])
     with pytest.raises(ValueError, match=r"kg.attention: q must be a 4-D tensor \[batch, heads, seq, head_dim\], "
@@ -177,3 +239,22 @@ def test_gpu_nonfinite_query_makes_its_kv_heads_gradients_nan(backend, value):
     o, grads = run(backend, q, k, v, do, True, None)
     ref_o, ref_grads = run("reference", q, k, v, do, True, None)
     assert_rule(o, grads, ref_o, ref_grads, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qk_dense", [False, True], ids=["views", "qk_dense"])
+@pytest.mark.parametrize("backend", FUSED + ["reference"])
+def test_gpu_outputs_and_gradients_keep_attention_codes_layout(backend, qk_dense):
+    # A step's shape (16 query heads over 4 kv heads, head_dim 128) at a shorter, odd sequence.
+    # SDPA with its cuDNN kernel first, then the backend, then SDPA again, on q, k, v of the same
+    # layouts, as in a program that calls SDPA elsewhere: ATen caches cuDNN's compiled backward by
+    # q, k and v alone, so a backend handing cuDNN o, dout or the log-sum-exp in other strides than
+    # SDPA's own backward does reads them wrongly after SDPA (or makes SDPA read its own wrongly).
+    shape = (2, 16, 4, 301, 128)
+    sdpa = layouts_of_a_step("sdpa_cudnn", "cuda", torch.bfloat16, shape, qk_dense)
+    run = layouts_of_a_step(backend, "cuda", torch.bfloat16, shape, qk_dense)
+    sdpa_after = layouts_of_a_step("sdpa_cudnn", "cuda", torch.bfloat16, shape, qk_dense)
+    assert_layouts_kept(*run)
+    ref = layouts_of_a_step("reference", "cuda", torch.bfloat16, shape, qk_dense)
+    for r in (sdpa, run, sdpa_after):
+        assert_values_of_a_step(r, ref, torch.bfloat16)

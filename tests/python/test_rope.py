@@ -460,6 +460,36 @@ def test_opcheck_strided_q(op):
         torch.library.opcheck(getattr(torch.ops.kernelgate, op).default, args)
 
 
+def assert_layouts_kept(op, backend, device, dtype):
+    """q_out and k_out in q's and k's layout (as at::empty_like has it), and the gradients in the
+    layout of the output gradients they stand for: attention code's views (a [b, s, h, d]
+    projection viewed as [b, h, s, d]) stay such views, so SDPA after rope returns o in that
+    layout and the step copies nothing; a padded q gets dense outputs in its dim order. (Their
+    values in these layouts: test_*_noncontiguous.)"""
+    gen = torch.Generator().manual_seed(3)
+    for layout in ("transposed", "padded"):
+        store_q, view_q = _layout((2, 4, 5, 8), layout)
+        store_k, view_k = _layout((2, 2, 5, 8), layout)
+        q = view_q(torch.randn(*store_q, generator=gen).to(device, dtype)).requires_grad_(True)
+        k = view_k(torch.randn(*store_k, generator=gen).to(device, dtype)).requires_grad_(True)
+        c, sn = (torch.randn(1, 5, 8, generator=gen).to(device, dtype) for _ in range(2))
+        w = torch.randn(8, generator=gen).to(device, dtype)
+        args = (q, k, c, sn) if op == "rope" else (q, k, w, w, c, sn)
+        with kg.use(force={op: backend}):
+            qo, ko = _kg_fn(op)(*args)
+        assert qo.stride() == torch.empty_like(q).stride() and ko.stride() == torch.empty_like(k).stride(), layout
+        gq, gk = (torch.empty_like(t).normal_() for t in (qo, ko))
+        dq, dk = torch.autograd.grad((qo, ko), (q, k), (gq, gk))
+        if backend != "eager":  # served with PyTorch's autograd: its gradients are PyTorch's
+            assert dq.stride() == gq.stride() and dk.stride() == gk.stride(), layout
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("backend", ["reference", "eager"])
+def test_cpu_outputs_and_gradients_keep_layouts(op, backend):
+    assert_layouts_kept(op, backend, "cpu", torch.float32)
+
+
 # ---- GPU (run on the GPU machine: pytest -m gpu) --------------------------------------------------
 
 CUDA_BACKENDS = ["reference", "kernelgate_cuda"]
@@ -492,6 +522,13 @@ def test_gpu_shapes(op, backend, dtype, dims):
 @pytest.mark.parametrize("head_dim", [10, 128])
 def test_gpu_noncontiguous(op, layout, dtype, head_dim):
     check(op, "kernelgate_cuda", "cuda", dtype, (2, 4, 2, 5, head_dim), layout=layout)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("backend", CUDA_BACKENDS)
+def test_gpu_outputs_and_gradients_keep_layouts(op, backend):
+    assert_layouts_kept(op, backend, "cuda", torch.bfloat16)
 
 
 @pytest.mark.gpu
