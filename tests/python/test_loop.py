@@ -106,7 +106,9 @@ def test_a_cached_result_is_impossibly_fast_against_the_matrix_flops(tmp_path):
     assert t["disposition"] == "cheat" and "matrix FLOPs" in t["reason"], t
     caught = [c for c in t["timing"]["cases"] if c["median_us"][loop.CANDIDATE] < loop.IMPOSSIBLE * c["flop_us"]]
     assert caught and all(c["matrix_flops"] >= 2 * 256 * 256 * 4096 for c in caught)
-    assert all(c["median_us"][loop.CANDIDATE] >= loop.IMPOSSIBLE * c["copy_us"] for c in caught)  # bytes: no bound
+    assert all(c["flop_us"] > c["copy_us"] and c["limit_us"] == c["flop_us"] for c in caught)  # FLOPs bind
+    # (Whether the candidate also ran under 0.8x the copy of its bytes is a timing on a shared CPU,
+    # which moves with the machine's load: not asserted.)
 
 
 def test_compare_times_the_incumbent_against_another_backend(tmp_path):
