@@ -304,7 +304,7 @@ struct RoutedOp {
       const at::Tensor* t = call.tensors[diff[k]];
       const bool want = need(diff[k]) && t != nullptr && t->defined();
       grads.push_back(!want ? at::empty({0}, like[k])
-                      : contract().keeps_input_layout
+                      : keeps_layout
                           ? at::empty_like(*t, at::MemoryFormat::Preserve)
                           : at::empty(t->sizes(), t->options().memory_format(at::MemoryFormat::Contiguous)));
     }
