@@ -69,7 +69,8 @@ def _code_hash(*fns: Optional[Callable]) -> str:
 def requirements(op: dict, device: Optional[str], dtypes: Optional[Sequence[torch.dtype]],
                  variants: Optional[Dict[str, Sequence[str]]], present: Sequence[str],
                  capturable: bool, nonempty: bool = False, max_row_bytes: Optional[int] = None,
-                 absent: Sequence[str] = (), max_dims: Optional[Dict[str, int]] = None) -> dict:
+                 absent: Sequence[str] = (), max_dims: Optional[Dict[str, int]] = None,
+                 row_bytes_multiple: Optional[int] = None) -> dict:
     """What a backend needs of a call, checked in C++ before its can_implement (no Python on the
     hot path for these)."""
     r: dict = {}
@@ -101,10 +102,11 @@ def requirements(op: dict, device: Optional[str], dtypes: Optional[Sequence[torc
         r["capturable"] = False
     if nonempty:
         r["nonempty"] = True
-    if max_row_bytes is not None:
-        if isinstance(max_row_bytes, bool) or not isinstance(max_row_bytes, int) or max_row_bytes <= 0:
-            raise ValueError(f"max_row_bytes must be a positive int, got {max_row_bytes!r}")
-        r["max_row_bytes"] = max_row_bytes
+    for field, value in (("max_row_bytes", max_row_bytes), ("row_bytes_multiple", row_bytes_multiple)):
+        if value is not None:
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{field} must be a positive int, got {value!r}")
+            r[field] = value
     if max_dims:
         for dim, most in max_dims.items():
             if isinstance(most, bool) or not isinstance(most, int) or most < 0:
@@ -129,7 +131,8 @@ def register_backend(op: str, name: str, forward: Fn, backward: Optional[Fn] = N
                      variants: Optional[Dict[str, Sequence[str]]] = None,
                      present: Sequence[str] = (), capturable: bool = True, nonempty: bool = False,
                      max_row_bytes: Optional[int] = None, absent: Sequence[str] = (),
-                     max_dims: Optional[Dict[str, int]] = None, grad_request: bool = False) -> None:
+                     max_dims: Optional[Dict[str, int]] = None, grad_request: bool = False,
+                     row_bytes_multiple: Optional[int] = None) -> None:
     """Adds a backend of `op` written in Python.
 
     forward(*args) takes the op's arguments in schema order and returns its outputs (a tensor or
@@ -149,7 +152,8 @@ def register_backend(op: str, name: str, forward: Fn, backward: Optional[Fn] = N
     ``dtypes`` (of the call's first tensor), ``variants`` (for each of the op's variant
     arguments, the values the backend implements, e.g. ``{"approximate": ["tanh"]}``) and
     ``present`` (optional tensor arguments it needs given), ``nonempty`` (no tensor without
-    elements), ``max_row_bytes`` (the first tensor's last dim, in bytes), ``absent`` (optional
+    elements), ``max_row_bytes`` (the first tensor's last dim, in bytes, at most),
+    ``row_bytes_multiple`` (that row's bytes a multiple of it, e.g. 4), ``absent`` (optional
     tensor arguments it needs not given), ``max_dims`` (named dims' largest sizes it implements,
     e.g. ``{"width": 4}``); ``capturable=False`` for a backend
     that syncs with the host, which never serves under CUDA-graph capture. Under capture a Python
@@ -181,7 +185,7 @@ def register_backend(op: str, name: str, forward: Fn, backward: Optional[Fn] = N
     if can_implement is not None and not callable(can_implement):
         raise TypeError(f"can_implement must be callable, got {type(can_implement).__name__}")
     needs = requirements(ops[op], device, dtypes, variants, present, capturable, nonempty, max_row_bytes,
-                         absent, max_dims)
+                         absent, max_dims, row_bytes_multiple)
     available, reason, version = True, "", ""
     fwd = bwd = None
     if package is not None:

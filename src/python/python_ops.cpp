@@ -200,9 +200,11 @@ struct Requirements {
   bool capturable = true;               // false: it syncs with the host
   bool nonempty = false;                // every given tensor has an element
   int64_t max_row_bytes = 0;            // the first tensor's last dim, in bytes; 0: any
+  int64_t row_bytes_multiple = 0;       // ... a multiple of this many bytes; 0: any
   std::vector<const char*> empty_reason;  // per tensor argument
   const char* device_reason = "";
   const char* row_reason = "";
+  const char* row_multiple_reason = "";
   const char* dtype_reason = "";
   const char* variant_reason = "";
   std::vector<const char*> present_reason;
@@ -216,7 +218,8 @@ struct Requirements {
   std::vector<DimLimit> dim_limits;
   bool any() const {
     return device || !dtypes.empty() || !variant_ok.empty() || !present.empty() || !capturable ||
-           nonempty || max_row_bytes > 0 || !absent.empty() || !dim_limits.empty();
+           nonempty || max_row_bytes > 0 || row_bytes_multiple > 0 || !absent.empty() ||
+           !dim_limits.empty();
   }
 };
 
@@ -284,6 +287,14 @@ Requirements requirements_of(const OpContract& c, const py::dict& spec, const st
     TORCH_CHECK(r.max_row_bytes > 0, what, ": max_row_bytes must be positive, got ", r.max_row_bytes);
     r.row_reason = intern("implements rows (the last dim of " + c.tensor_args.at(0).name + ") of at most " +
                           std::to_string(r.max_row_bytes) + " bytes only");
+  }
+  if (spec.contains("row_bytes_multiple")) {
+    r.row_bytes_multiple = spec["row_bytes_multiple"].cast<int64_t>();
+    TORCH_CHECK(r.row_bytes_multiple > 0, what, ": row_bytes_multiple must be positive, got ",
+                r.row_bytes_multiple);
+    r.row_multiple_reason = intern("implements rows (the last dim of " + c.tensor_args.at(0).name +
+                                   ") of a multiple of " + std::to_string(r.row_bytes_multiple) +
+                                   " bytes only");
   }
   if (r.nonempty) {
     for (const auto& a : c.tensor_args)
@@ -376,6 +387,12 @@ Support check(const Requirements& r, const CallView& call) {
     if (t != nullptr && t->defined() && t->dim() > 0 &&
         t->size(-1) * static_cast<int64_t>(t->element_size()) > r.max_row_bytes)
       return Support::no(r.row_reason);
+  }
+  if (r.row_bytes_multiple > 0) {
+    const at::Tensor* t = call.tensors[0];
+    if (t != nullptr && t->defined() && t->dim() > 0 &&
+        t->size(-1) * static_cast<int64_t>(t->element_size()) % r.row_bytes_multiple != 0)
+      return Support::no(r.row_multiple_reason);
   }
   if (!r.capturable && capture_rules_on() && stream_capturing())
     return Support::no("syncs with the host, which CUDA-graph capture forbids");
