@@ -91,7 +91,20 @@ def _kernel_fun():
     }
 
 
-_LIBRARIES = {"liger": _liger, "fla": _fla, "kernel_fun": _kernel_fun}
+def _quack():
+    from quack.rmsnorm import rmsnorm
+
+    rows = B * S
+    return {
+        ("rms_norm", "quack"): (lambda: (_t(rows, 2048), _t(2048), 1e-6),
+                                lambda x, w, eps: rmsnorm(x, w, eps=eps)),
+        ("add_rms_norm", "quack"): (
+            lambda: (_t(rows, 2048), _t(rows, 2048), _t(2048), 1e-6),
+            lambda x, r, w, eps: rmsnorm(x, w, residual=r, residual_dtype=x.dtype, eps=eps, prenorm=True)),
+    }
+
+
+_LIBRARIES = {"liger": _liger, "fla": _fla, "kernel_fun": _kernel_fun, "quack": _quack}
 
 
 class _Direct(dict):

@@ -22,7 +22,7 @@ for h in gtest/gtest.h sqlite3.h nlohmann/json.hpp; do
 done
 
 "$PY" -m pip install -q -r requirements-dev.txt
-"$PY" -m pip install -q --no-deps kernel-fun==0.2.0  # see requirements-dev.txt
+"$PY" -m pip install -q --no-deps kernel-fun==0.2.0 quack-kernels==0.6.5  # see requirements-dev.txt
 # One CMake build serves both the installed package and the C++ tests.
 "$PY" -m pip install -q --no-build-isolation --no-deps \
   -C build-dir=build/release -C cmake.define.KERNELGATE_BUILD_TESTS=ON .

@@ -141,6 +141,15 @@ def test_requirements_of_a_python_backend():
         assert e.backend != "test_rows" and got == "ranked #1 but cannot implement this call: " + want, got
     with kg.use(force={"rms_norm": "test_rows"}):  # 16 float32s: 64 bytes, which it implements
         assert kg.explain("rms_norm", torch.randn(2, 16), None).backend == "test_rows"
+    kg.register_backend("rms_norm", "test_row_multiple", lambda x, w, eps: None, row_bytes_multiple=4)
+    with kg.use(force={"rms_norm": "test_row_multiple"}):
+        e = kg.explain("rms_norm", torch.randn(2, 7).half(), None)  # 14 bytes
+        got = next(c.reason for c in e.candidates if c.backend == "test_row_multiple")
+        assert e.backend != "test_row_multiple"
+        assert got == ("ranked #1 but cannot implement this call: implements rows (the last dim of x) "
+                       "of a multiple of 4 bytes only"), got
+        assert kg.explain("rms_norm", torch.randn(2, 8).half(), None).backend == "test_row_multiple"
+        assert kg.explain("rms_norm", torch.randn(2, 7), None).backend == "test_row_multiple"  # 28 bytes
 
     kg.register_backend("layer_norm", "test_present", lambda x, w, b, eps: None, present=["bias"], device="cuda")
     with kg.use(force={"layer_norm": "test_present"}):
@@ -177,6 +186,10 @@ def test_gpu_library_requirements_are_reasons_in_explain():
          "needs tensors with elements (logits has none)"),
         ("rms_norm", "fla", (torch.randn(2, 16385, device="cuda"), None),
          "implements rows (the last dim of x) of at most 65536 bytes only"),
+        ("rms_norm", "quack", (torch.randn(2, 4095, device="cuda").bfloat16(), None),
+         "implements rows (the last dim of x) of a multiple of 4 bytes only"),
+        ("add_rms_norm", "quack", (torch.randn(2, 65535, device="cuda"), torch.randn(2, 65535, device="cuda")),
+         "implements rows (the last dim of x) of at most 131072 bytes only"),
     ]
     for op, name, args, reason in cases:
         with kg.use(force={op: name}):
@@ -193,6 +206,7 @@ def test_gpu_library_requirements_are_reasons_in_explain():
     (dict(present=["bias"]), "geglu has no tensor argument 'bias'"),
     (dict(max_row_bytes=0), "max_row_bytes must be a positive int"),
     (dict(max_row_bytes=1.5), "max_row_bytes must be a positive int"),
+    (dict(row_bytes_multiple=0), "row_bytes_multiple must be a positive int"),
     (dict(absent=["bias"]), "geglu has no tensor argument 'bias'"),
     (dict(max_dims={"hidden": -1}), "max_dims: hidden must map to a non-negative int"),
     (dict(max_dims={"width": 4}), "max_dims: geglu has no named dim 'width'"),
@@ -209,7 +223,8 @@ def test_bad_requirements_are_clear_errors(kwargs, error):
 
 def test_library_backends_import_their_library_only_when_called():
     code = ("import sys, kernelgate; "
-            "print(any(m.split('.')[0] in ('liger_kernel', 'fla', 'kernel_fun') for m in sys.modules))")
+            "print(any(m.split('.')[0] in ('liger_kernel', 'fla', 'kernel_fun', 'quack', 'cutlass')"
+            " for m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
@@ -245,6 +260,89 @@ def test_on_the_cpu_a_forced_library_backend_falls_back(op, name, caplog):
     want = reference_op(op)(*args)
     for g, w in zip(got if isinstance(got, (tuple, list)) else [got], want if isinstance(want, (tuple, list)) else [want]):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+class _QuackRowsStandIn:
+    """quack.rmsnorm's rmsnorm_fwd / rmsnorm_bwd as the adapter uses them, on the CPU in float64
+    (quack's kernels take contiguous [rows, hidden] matrices with 16-byte aligned data only: the
+    stand-in refuses others)."""
+
+    @staticmethod
+    def _matrix(*ts):
+        for t in ts:
+            assert t is None or (t.dim() == 2 and t.is_contiguous() and t.data_ptr() % 16 == 0), t.shape
+
+    def rmsnorm_fwd(self, x, weight=None, bias=None, residual=None, out_dtype=None, residual_dtype=None,
+                    eps=1e-6, store_rstd=False, weight_offset=0.0):
+        self._matrix(x, residual)
+        assert weight is None or weight.data_ptr() % 16 == 0
+        h = x.double() if residual is None else x.double() + residual.double()
+        rstd = torch.rsqrt(h.pow(2).mean(-1) + eps)
+        y = h * rstd[:, None] * (1 if weight is None else weight.double())
+        res_out = x if residual is None else h.to(residual_dtype)
+        return y.to(x.dtype), res_out, rstd.float() if store_rstd else None
+
+    def rmsnorm_bwd(self, x, weight, dout, rstd, dresidual_out=None, has_bias=False, has_residual=False,
+                    weight_offset=0.0):
+        self._matrix(x, dout, dresidual_out)
+        xh = x.double() * rstd.double()[:, None]
+        g = dout.double() * (1 if weight is None else weight.double())
+        dx = rstd.double()[:, None] * (g - xh * (g * xh).mean(-1, keepdim=True))
+        if dresidual_out is not None:
+            dx = dx + dresidual_out.double()
+        dw = None if weight is None else (dout.double() * xh).sum(0).to(weight.dtype)
+        return dx.to(x.dtype), dw, None, dx.to(x.dtype) if has_residual else None
+
+
+def test_quack_adapter_against_autograd_with_a_cpu_stand_in(monkeypatch):
+    """The adapter's part (flattening leading dims, non-contiguous inputs, the residual's
+    gradient, an absent output gradient) checked on the CPU against float64 autograd, quack's
+    functions replaced by a float64 stand-in of their matrix contract. The GPU tests check the
+    real kernels against the oracle."""
+    import importlib.util
+    import types
+
+    fake = types.ModuleType("quack")
+    fake.rmsnorm = _QuackRowsStandIn()
+    monkeypatch.setitem(sys.modules, "quack", fake)
+    monkeypatch.setitem(sys.modules, "quack.rmsnorm", fake.rmsnorm)  # the module's two functions
+    # A private copy of the adapter module, bound to the stand-in: the package's own stays as it
+    # was (on a GPU machine, bound to quack).
+    spec = importlib.util.find_spec("kernelgate.backends.quack")
+    adapter = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(adapter)
+
+    torch.manual_seed(0)
+    eps = 1e-5
+    x = torch.randn(3, 10, 7, dtype=torch.float64).transpose(0, 1)  # [10, 3, 7], not contiguous
+    r = torch.randn(10 * 3 * 7 + 1, dtype=torch.float64)[1:].view(10, 3, 7)  # at an 8-byte offset
+    w = torch.randn(8, dtype=torch.float64)[1:]
+    dy, dh = torch.randn(10, 3, 7, dtype=torch.float64), torch.randn(10, 3, 7, dtype=torch.float64)
+
+    def ref(x, r, w):
+        h = x + r
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * w, h
+
+    leaves = [t.clone().requires_grad_() for t in (x, r, w)]
+    y_ref, h_ref = ref(*leaves)
+    gx, gr, gw = torch.autograd.grad((y_ref, h_ref), leaves, (dy, dh))
+    y, h, rstd = adapter.add_rms_norm_fwd(x, r, w, eps)
+    assert y.shape == h.shape == x.shape and rstd.shape == x.shape[:-1]
+    torch.testing.assert_close((y, h), (y_ref.detach(), h_ref.detach()))
+    dx, dw = adapter.add_rms_norm_bwd(dy, dh, h, w, rstd, eps)
+    torch.testing.assert_close((dx, dx, dw), (gx, gr, gw), rtol=1e-5, atol=1e-6)
+    dx, dw = adapter.add_rms_norm_bwd(None, dh, h, w, rstd, eps)  # only h's gradient
+    torch.testing.assert_close((dx, dw), (dh, torch.zeros_like(w)))
+
+    leaves = [t.clone().requires_grad_() for t in (x, w)]
+    y_ref = ref(leaves[0], torch.zeros_like(x), leaves[1])[0]
+    gx, gw = torch.autograd.grad(y_ref, leaves, dy)
+    y, rstd = adapter.rms_norm_fwd(x, w, eps)
+    torch.testing.assert_close(y, y_ref.detach())
+    dx, dw = adapter.rms_norm_bwd(dy.transpose(0, 1).contiguous().transpose(0, 1), x, w, rstd, eps)
+    torch.testing.assert_close((dx, dw), (gx, gw), rtol=1e-5, atol=1e-6)
+    y, rstd = adapter.rms_norm_fwd(x, None, eps)  # no weight: no weight gradient
+    assert adapter.rms_norm_bwd(dy, x, None, rstd, eps)[1] is None
 
 
 def test_adapter_code_hash_ignores_comments():
@@ -476,6 +574,8 @@ KERNELS = {
     ("gated_delta_rule", "fla_chunk"): "chunk_fwd_kernel_o",
     ("gated_delta_rule", "fla_fused_recurrent"): "fused_recurrent_gated_delta_rule_fwd_kernel",
     ("kda", "fla_chunk"): "chunk_gla_fwd_kernel_o",  # read in fla-core 0.6.0's chunk_kda_fwd, not yet seen run
+    # CuTe DSL kernels are named after their class (quack.rmsnorm.RMSNorm) and its arguments
+    ("rms_norm", "quack"): "RMSNorm", ("add_rms_norm", "quack"): "RMSNorm",
 }
 
 

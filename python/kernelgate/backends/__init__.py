@@ -1,5 +1,6 @@
 """The field's kernel libraries as kernelgate backends, each an optional extra of the package
-(``pip install kernelgate[liger]``, ``kernelgate[fla]``, ``kernelgate[kernel-fun]``).
+(``pip install kernelgate[liger]``, ``kernelgate[fla]``, ``kernelgate[kernel-fun]``,
+``kernelgate[quack]``).
 
 Every backend below is registered at ``import kernelgate`` without importing its library (that
 takes seconds; it happens at the backend's first call, or in ``kg.warmup``). It is available
@@ -44,6 +45,7 @@ class LibraryBackend:
     present: Sequence[str] = ()
     capturable: bool = True  # False: it syncs with the host, so never under CUDA-graph capture
     max_row_bytes: Optional[int] = None  # the first tensor's last dim, in bytes
+    row_bytes_multiple: Optional[int] = None  # ... a multiple of this many bytes
     absent: Sequence[str] = ()  # optional tensor arguments it needs not given
     max_dims: Optional[Dict[str, int]] = None  # named dims' largest sizes it implements
     grad_request: bool = False  # forward gets needs_grad= (kg.register_backend's grad_request)
@@ -54,6 +56,7 @@ LIBRARIES: Dict[str, Library] = {
     "liger": Library("liger", "liger-kernel", ("0.8.5", "0.9"), "liger"),
     "fla": Library("fla", "fla-core", ("0.6.0", "0.7"), "fla"),
     "kernel_fun": Library("kernel-fun", "kernel-fun", ("0.2.0", "0.3"), "kernel_fun"),
+    "quack": Library("quack", "quack-kernels", ("0.6.5", "0.7"), "quack"),
 }
 
 BACKENDS: List[LibraryBackend] = [
@@ -95,6 +98,13 @@ BACKENDS: List[LibraryBackend] = [
     # FLA's KDA, chunked (the same adapter module: the delta-rule family's calls and backward).
     LibraryBackend("fla", "kda", "fla_chunk", "kda_chunk_fwd", "kda_chunk_bwd", max_dims={"dk": 256},
                    adapter="fla_gated_delta_rule"),
+    # quack's CuTe DSL norms (JIT-compiled per dtype and hidden size at the first call: kg.warmup).
+    # Its copies move at least 4 bytes: a 16-bit row of odd length fails to compile. add_rms_norm's
+    # launch fails for rows over 128 KiB (float32 hidden 65535). Not its cross-entropy (no label
+    # smoothing) nor its layer norm (a float32 weight only).
+    LibraryBackend("quack", "rms_norm", "quack", "rms_norm_fwd", "rms_norm_bwd", row_bytes_multiple=4),
+    LibraryBackend("quack", "add_rms_norm", "quack", "add_rms_norm_fwd", "add_rms_norm_bwd",
+                   row_bytes_multiple=4, max_row_bytes=131072),
 ]
 
 
@@ -153,7 +163,7 @@ def install() -> None:
             # Several of the libraries' kernels fail on tensors without elements (a grid of 0).
             needs=requirements(ops[b.op], "cuda", b.dtypes, b.variants, b.present, b.capturable,
                                nonempty=True, max_row_bytes=b.max_row_bytes, absent=b.absent,
-                               max_dims=b.max_dims),
+                               max_dims=b.max_dims, row_bytes_multiple=b.row_bytes_multiple),
             available=available, reason=reason, version=version,
             grad_request=b.grad_request)
 
