@@ -100,8 +100,10 @@ BACKENDS: List[LibraryBackend] = [
                    adapter="fla_gated_delta_rule"),
     # quack's CuTe DSL norms (JIT-compiled per dtype and hidden size at the first call: kg.warmup).
     # Its copies move at least 4 bytes: a 16-bit row of odd length fails to compile. add_rms_norm's
-    # launch fails for rows over 128 KiB (float32 hidden 65535). Not its cross-entropy (no label
-    # smoothing) nor its layer norm (a float32 weight only).
+    # launch fails for rows over 128 KiB (float32 hidden 65535). Not its other kernels for our ops:
+    # cross-entropy and linear cross-entropy (no label smoothing, a scalar the requirements cannot
+    # name; the latter also no bias and rows a multiple of 8), layer norm (a float32 weight only),
+    # rotary (cos and sin of half the head dim: Liger's rope's assumption, see above).
     LibraryBackend("quack", "rms_norm", "quack", "rms_norm_fwd", "rms_norm_bwd", row_bytes_multiple=4),
     LibraryBackend("quack", "add_rms_norm", "quack", "add_rms_norm_fwd", "add_rms_norm_bwd",
                    row_bytes_multiple=4, max_row_bytes=131072),
