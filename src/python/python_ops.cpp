@@ -18,6 +18,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
+#include <atomic>
 #include <optional>
 
 #include "kernelgate/op.h"
@@ -128,7 +129,11 @@ class PythonBackend final : public BackendImpl {
         p_(std::move(p)),
         fwd_(new py::object(std::move(fwd))),
         bwd_(bwd.is_none() ? nullptr : new py::object(std::move(bwd))),
-        grad_request_(grad_request) {}
+        grad_request_(grad_request) {
+    // Callables given as objects (kg.register_backend) are imported already.
+    if (!py::isinstance<py::str>(*fwd_) && (bwd_ == nullptr || !py::isinstance<py::str>(*bwd_)))
+      import_state_.store(kImported, std::memory_order_release);
+  }
 
   // Returns the outputs, or the outputs and the extras (required when gradients are needed).
   // With grad_request, the forward also gets needs_grad=: the names of the tensor arguments the
@@ -136,7 +141,7 @@ class PythonBackend final : public BackendImpl {
   // the forward on tensors that do not carry it.
   void forward(torch::jit::Stack& s, GradRequest need) const override {
     py::gil_scoped_acquire gil;
-    if (!resolved_) resolve_callables();
+    require_imported();
     py::tuple args = pop_args(s, p_.nargs);
     py::object kwargs;  // null unless grad_request
     if (grad_request_) {
@@ -163,7 +168,7 @@ class PythonBackend final : public BackendImpl {
   void backward(torch::jit::Stack& s, GradRequest) const override {
     py::gil_scoped_acquire gil;
     TORCH_INTERNAL_ASSERT(bwd_ != nullptr);
-    if (!resolved_) resolve_callables();
+    require_imported();
     py::tuple args = pop_args(s, p_.n_bwd_args);
     auto got = tensors_of(call(*bwd_, args, bwd_what_), bwd_what_);
     TORCH_CHECK(got.size() == p_.n_grads, what_, " backward returned ", got.size(),
@@ -173,12 +178,48 @@ class PythonBackend final : public BackendImpl {
 
   bool has_backward() const override { return bwd_ != nullptr; }
 
+  // Whether the callables are imported ("module:attr" strings of a library backend are imported
+  // at the first call that reaches this backend), importing them now if not yet: a library that
+  // is installed but cannot be imported (a missing or broken dependency) makes the backend one
+  // that cannot implement any call, with the reason, warned once; the next backend serves.
+  // Without the GIL once imported (the hot path).
+  Support importable() const {
+    const int state = import_state_.load(std::memory_order_acquire);
+    if (state == kImported) return Support::yes();
+    if (state == kUnimportable) return Support::no(import_failure_);
+    // A library's import may touch the device: never inside a CUDA-graph capture (its first call
+    // could not be captured either: the warm-set rule).
+    if (capture_rules_on() && stream_capturing())
+      return Support::no("its library is not imported yet, which a CUDA-graph capture forbids");
+    py::gil_scoped_acquire gil;
+    return import_now() ? Support::yes() : Support::no(import_failure_);
+  }
+
  private:
+  enum : int { kNotYet = 0, kImported = 1, kUnimportable = 2 };
+
   // Under the GIL, which makes it happen once.
-  void resolve_callables() const {
-    *fwd_ = resolve(*fwd_, fwd_what_);
-    if (bwd_ != nullptr) *bwd_ = resolve(*bwd_, bwd_what_);
-    resolved_ = true;
+  bool import_now() const {
+    const int state = import_state_.load(std::memory_order_acquire);
+    if (state != kNotYet) return state == kImported;
+    try {
+      *fwd_ = resolve(*fwd_, fwd_what_);
+      if (bwd_ != nullptr) *bwd_ = resolve(*bwd_, bwd_what_);
+    } catch (const c10::Error& e) {
+      import_failure_ = intern(e.what_without_backtrace());
+      const std::string warning =
+          "kernelgate: " + std::string(import_failure_) + "; the next backend serves its calls";
+      if (PyErr_WarnEx(PyExc_RuntimeWarning, warning.c_str(), 1) != 0) PyErr_Clear();
+      import_state_.store(kUnimportable, std::memory_order_release);
+      return false;
+    }
+    import_state_.store(kImported, std::memory_order_release);
+    return true;
+  }
+
+  // A call that reached the backend without its can_implement (none does when it is routed).
+  void require_imported() const {
+    if (!import_now()) TORCH_CHECK(false, import_failure_);
   }
 
   std::string what_, fwd_what_, bwd_what_;
@@ -187,7 +228,8 @@ class PythonBackend final : public BackendImpl {
   py::object* fwd_;
   py::object* bwd_;
   bool grad_request_;
-  mutable bool resolved_ = false;
+  mutable std::atomic<int> import_state_{kNotYet};
+  mutable const char* import_failure_ = "";
 };
 
 // What a backend declares it needs of a call (kg.register_backend's device, dtypes, variants and
@@ -539,21 +581,21 @@ int register_python_backend(const std::string& op, const std::string& name, py::
     const char* why = intern(reason);
     d.available = [why] { return Support::no(why); };
   } else {
-    d.impl =
+    auto impl =
         std::make_shared<PythonBackend>(op + " backend '" + name + "'", protocol_of(e->contract),
                                         std::move(forward), std::move(backward), grad_request);
+    d.impl = impl;
     const std::string what = op + " backend '" + name + "'";
     CanImplement python;
     if (!can_implement.is_none()) python = python_can_implement(std::move(can_implement), what);
-    Requirements r = requirements_of(e->contract, requirements, what);
-    if (r.any()) {
-      d.can_implement = [r = std::move(r), python](const CallView& call) {
-        const Support s = check(r, call);
-        return s.ok && python ? python(call) : s;
-      };
-    } else {
-      d.can_implement = std::move(python);
-    }
+    // The requirements first (C++, no GIL), so that a call the backend cannot take (another
+    // device, dtype, ...) never imports its library; then the import; then its can_implement.
+    d.can_implement = [r = requirements_of(e->contract, requirements, what), impl,
+                       python](const CallView& call) {
+      Support s = r.any() ? check(r, call) : Support::yes();
+      if (s.ok) s = impl->importable();
+      return s.ok && python ? python(call) : s;
+    };
   }
   py::gil_scoped_release
       release;  // the dispatcher takes its lock; a router may hold it waiting for us

@@ -230,16 +230,33 @@ def test_library_backends_import_their_library_only_when_called():
     assert out.stdout.strip() == "False"
 
 
-def test_a_backend_named_by_module_and_attr_that_cannot_be_imported_fails_at_its_call():
+def test_a_library_that_is_installed_but_cannot_be_imported_lets_the_next_backend_serve(simulated_capture):
+    """A library backend is imported at the first call that reaches it; an import that fails (a
+    missing or broken dependency) makes it a backend that cannot implement any call, with the
+    reason in explain and a warning once: the call is served by the next backend, never raised
+    into the user's program. Never imported inside a CUDA-graph capture."""
     from kernelgate._define import register_library_backend
 
     register_library_backend("swiglu", "test_lazy_missing", forward="kernelgate_no_such_module:fwd", backward=None,
                              needs={"device": "cpu"}, available=True, reason="", version="")
     g = torch.randn(2, 4)
+    why = ("swiglu backend 'test_lazy_missing' forward: cannot import kernelgate_no_such_module:fwd: "
+           "ModuleNotFoundError")
     with kg.use(force={"swiglu": "test_lazy_missing"}):
-        with pytest.raises(RuntimeError, match="swiglu backend 'test_lazy_missing' forward: cannot import "
-                                               "kernelgate_no_such_module:fwd"):
+        simulated_capture(True)
+        e = kg.explain("swiglu", g, g)
+        simulated_capture(False)
+        got = next(c.reason for c in e.candidates if c.backend == "test_lazy_missing")
+        assert got.endswith("its library is not imported yet, which a CUDA-graph capture forbids"), got
+        with pytest.warns(RuntimeWarning, match="kernelgate: " + why):
+            y = kg.swiglu(g, g)
+        e = kg.explain("swiglu", g, g)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # warned once: the second call is quiet
             kg.swiglu(g, g)
+    got = next(c.reason for c in e.candidates if c.backend == "test_lazy_missing")
+    assert e.backend != "test_lazy_missing" and got.startswith("ranked #1 but cannot implement this call: " + why), got
+    torch.testing.assert_close(y, torch.nn.functional.silu(g) * g)
 
 
 # ---- the CPU: every library backend falls back ---------------------------------------------------
