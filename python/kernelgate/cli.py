@@ -464,6 +464,12 @@ def cmd_doctor(args) -> int:
     st["cuda_available"] = torch.cuda.is_available()
     st["backends"] = {o["name"]: {b["name"]: (b["available"], b["reason"]) for b in o["backends"]} for o in kg.ops()}
     st["shipped"] = kg.evidence.shipped_coverage()
+    st["libraries"] = kg.backends.libraries()
+    if args.import_libraries:
+        for lib in st["libraries"]:
+            if lib["available"]:
+                lib["imports"], lib["import_error"] = kg.backends.import_check(
+                    kg.backends.LIBRARIES[lib["library"]])
     if args.json:
         print(json.dumps(st, indent=2))
         return 0
@@ -482,6 +488,11 @@ def cmd_doctor(args) -> int:
     for m in st["shipped"]:
         print(f"shipped evidence: {m['gpu_name']}: {m['results']} results, {len(m['ops'])} ops "
               f"({', '.join(sorted(m['ops']))})")
+    for lib in st["libraries"]:
+        state = f"{lib['installed']}" if lib["available"] else f"unavailable: {lib['reason']}"
+        if "imports" in lib:
+            state += ", imports" if lib["imports"] else f", cannot import: {lib['import_error']}"
+        print(f"library {lib['library']} ({lib['dist']}): {state}")
     print(f"policy: {st['policy']}")
     if "borrowed from" in st["policy"]:
         print("  borrowed evidence proves correctness only: `kernelgate rerank` times it on this GPU")
@@ -710,8 +721,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_db)
 
-    p = sub.add_parser("doctor", help="GPU, fingerprint, evidence status, why rows are stale")
+    p = sub.add_parser("doctor", help="GPU, fingerprint, evidence status, why rows are stale, libraries")
     p.add_argument("--db", default=None)
+    p.add_argument("--import-libraries", action="store_true",
+                   help="also import each available library's backends (in a fresh process, seconds each): "
+                        "what their first call would find")
     _add_load_arg(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_doctor)

@@ -6,6 +6,7 @@ gradient on the generated cases, inputs (and cotangents) unmodified, opcheck, to
 graphs. Here on the GPU: no device-to-host sync beyond what the library's own call does."""
 
 import importlib.metadata
+import json
 import os
 import subprocess
 import sys
@@ -257,6 +258,34 @@ def test_a_library_that_is_installed_but_cannot_be_imported_lets_the_next_backen
     got = next(c.reason for c in e.candidates if c.backend == "test_lazy_missing")
     assert e.backend != "test_lazy_missing" and got.startswith("ranked #1 but cannot implement this call: " + why), got
     torch.testing.assert_close(y, torch.nn.functional.silu(g) * g)
+
+
+def test_import_check_runs_the_import_in_a_fresh_process_and_names_the_error():
+    missing = backends.Library("nothing", "no-such-dist", ("0", "1"), "no_such_adapter")
+    ok, error = backends.import_check(missing, timeout=120)
+    assert not ok and error == "ModuleNotFoundError: No module named 'kernelgate.backends.no_such_adapter'", error
+    assert "kernelgate.backends.no_such_adapter" not in sys.modules
+
+
+def test_doctor_lists_the_libraries_and_whether_they_import():
+    """kernelgate doctor --import-libraries: every available library imported in a fresh process,
+    with the error where it fails (on a CPU machine with quack-kernels but without its CuTe DSL
+    runtime, quack's import fails: what its first call would find, which then lets the next
+    backend serve)."""
+    out = subprocess.run([sys.executable, "-m", "kernelgate.cli", "doctor", "--json", "--import-libraries"],
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr
+    libs = {lib["library"]: lib for lib in json.loads(out.stdout)["libraries"]}
+    assert set(libs) == set(backends.LIBRARIES)
+    for name, lib in libs.items():
+        assert lib["available"] == backends.status(backends.LIBRARIES[name])[0]
+        if lib["available"]:
+            assert isinstance(lib["imports"], bool) and (lib["imports"] or lib["import_error"]), lib
+            if not lib["imports"]:
+                code = "import kernelgate.backends." + backends.LIBRARIES[name].adapter
+                assert subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=300).returncode != 0
+        else:
+            assert "imports" not in lib
 
 
 # ---- the CPU: every library backend falls back ---------------------------------------------------

@@ -170,6 +170,27 @@ def install() -> None:
             grad_request=b.grad_request)
 
 
+def import_check(lib: Library, timeout: float = 300.0) -> Tuple[bool, str]:
+    """(imports, error): whether the library's adapter modules import, in a fresh process (an
+    import can take seconds, crash or hang: none of that reaches the caller). What a first call
+    would find; kernelgate doctor --import-libraries."""
+    import subprocess
+    import sys
+
+    modules = sorted({f"{__name__}.{b.adapter or lib.adapter}" for b in BACKENDS
+                      if LIBRARIES.get(b.library) == lib} or {f"{__name__}.{lib.adapter}"})
+    code = "import importlib, sys\nfor m in sys.argv[1:]:\n    importlib.import_module(m)\n"
+    try:
+        done = subprocess.run([sys.executable, "-c", code, *modules], capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return False, f"importing {', '.join(modules)} did not finish in {timeout:g} s"
+    if done.returncode == 0:
+        return True, ""
+    lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
+    return False, lines[-1] if lines else f"the import exited with code {done.returncode}"
+
+
 def libraries() -> List[dict]:
     """Each library: its extra, distribution, tested range, installed version and availability."""
     out = []
