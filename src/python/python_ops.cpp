@@ -424,17 +424,14 @@ Support check(const Requirements& r, const CallView& call) {
         return Support::no(r.empty_reason[i]);
     }
   }
-  if (r.max_row_bytes > 0) {
+  if (r.max_row_bytes > 0 || r.row_bytes_multiple > 0) {
     const at::Tensor* t = call.tensors[0];
-    if (t != nullptr && t->defined() && t->dim() > 0 &&
-        t->size(-1) * static_cast<int64_t>(t->element_size()) > r.max_row_bytes)
-      return Support::no(r.row_reason);
-  }
-  if (r.row_bytes_multiple > 0) {
-    const at::Tensor* t = call.tensors[0];
-    if (t != nullptr && t->defined() && t->dim() > 0 &&
-        t->size(-1) * static_cast<int64_t>(t->element_size()) % r.row_bytes_multiple != 0)
-      return Support::no(r.row_multiple_reason);
+    if (t != nullptr && t->defined() && t->dim() > 0) {
+      const int64_t row_bytes = t->size(-1) * static_cast<int64_t>(t->element_size());
+      if (r.max_row_bytes > 0 && row_bytes > r.max_row_bytes) return Support::no(r.row_reason);
+      if (r.row_bytes_multiple > 0 && row_bytes % r.row_bytes_multiple != 0)
+        return Support::no(r.row_multiple_reason);
+    }
   }
   if (!r.capturable && capture_rules_on() && stream_capturing())
     return Support::no("syncs with the host, which CUDA-graph capture forbids");
