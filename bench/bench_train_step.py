@@ -241,7 +241,9 @@ def served(cfg, dev, dt, attention=False):
 
 def profile_top(step, n=25):
     """The kernels of two steps by device time (torch.profiler), largest first: where a step's
-    time goes, for a variant that misses its target."""
+    time goes, for a variant that misses its target. Also the device time of all kernels per
+    step and their count: the step time less that busy time is where the GPU waited (on the
+    host, or between kernels)."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(2):
@@ -255,7 +257,28 @@ def profile_top(step, n=25):
         if us > 0:
             rows.append({"kernel": e.key[:160], "ms_per_step": us / 2e3, "calls_per_step": e.count / 2})
     rows.sort(key=lambda r: -r["ms_per_step"])
-    return rows[:n]
+    busy = {"busy_ms_per_step": sum(r["ms_per_step"] for r in rows),
+            "kernels_per_step": sum(r["calls_per_step"] for r in rows),
+            "largest_gaps": device_gaps(prof)}
+    return rows[:n], busy
+
+
+def device_gaps(prof, n=15, min_us=5.0):
+    """The longest stretches of the profiled steps in which no kernel ran, with the kernels on
+    either side: where the GPU waited for the host."""
+    spans = []
+    for e in prof.events():
+        if str(getattr(e, "device_type", "")).endswith("CUDA") and e.time_range.end > e.time_range.start:
+            spans.append((e.time_range.start, e.time_range.end, e.name[:100]))
+    spans.sort()
+    gaps, end, before = [], None, None
+    for s, e, name in spans:
+        if end is not None and s - end >= min_us:
+            gaps.append({"us": s - end, "after": before, "before": name})
+        if end is None or e > end:
+            end, before = e, name
+    gaps.sort(key=lambda g: -g["us"])
+    return {"idle_us_in_gaps_over_5us": sum(g["us"] for g in gaps), "count": len(gaps), "top": gaps[:n]}
 
 
 def run_variant(variant, cfg, state, ids, targets, dev, dt, warmup, steps, profile=False,
@@ -314,7 +337,12 @@ def run_variant(variant, cfg, state, ids, targets, dev, dt, warmup, steps, profi
         result.update(peak_gib=torch.cuda.max_memory_allocated() / 2**30,
                       resident_before_step_gib=before / 2**30)
         if profile:
-            result["profile_top_kernels"] = profile_top(step)
+            top, busy = profile_top(step)
+            result["profile_top_kernels"] = top
+            result.update(profile_busy_ms_per_step=busy["busy_ms_per_step"],
+                          profile_idle_ms_per_step=ms - busy["busy_ms_per_step"],
+                          profile_kernels_per_step=busy["kernels_per_step"],
+                          profile_gaps_two_steps=busy["largest_gaps"])
     del model, step_fn
     if cuda:
         torch.cuda.empty_cache()
