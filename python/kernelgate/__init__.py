@@ -21,7 +21,7 @@ from ._ops import cross_entropy, linear_cross_entropy
 from ._ops import attention
 from .gated_delta_rule import gated_delta_rule  # defined from Python, before its library backends
 from .kda import kda
-from . import backends, evidence, policy
+from . import _inductor, backends, evidence, policy
 
 __version__ = "0.1.0"
 __all__ = ["rms_norm", "swiglu", "geglu", "explain", "ops", "use", "policy", "evidence", "Explanation", "__version__"]
@@ -33,6 +33,7 @@ __all__ += ["cross_entropy", "linear_cross_entropy", "gated_delta_rule", "kda", 
 install_log_hook()
 backends.install()  # the field's libraries (not imported until used)
 evidence.install()
+_inductor.install()  # kernelgate's ops as Inductor fallbacks, once Inductor is imported
 
 
 def __getattr__(name: str):

@@ -15,7 +15,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from . import _C, evidence
+from . import _C, _inductor, evidence
 from ._ops import routed
 
 Fn = Union[Callable, str]
@@ -278,4 +278,5 @@ def define_op(schema: str, *, dims: str, reference: Callable,
     _C.define_op(spec)
     _defined[name] = given
     evidence.install()  # the evidence source learns the new op's fingerprint
+    _inductor.register_fallbacks()  # where Inductor is imported already
     return routed(name)
