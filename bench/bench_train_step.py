@@ -272,13 +272,22 @@ def device_gaps(prof, n=15, min_us=5.0):
             spans.append((e.time_range.start, e.time_range.end, e.name[:100]))
     spans.sort()
     gaps, end, before = [], None, None
+    edges = (2.0, 5.0, 20.0, 100.0)  # every gap by length, in us: where the idle time is
+    buckets = {f"<{edges[0]:g}": [0, 0.0], **{f"{a:g}-{b:g}": [0, 0.0] for a, b in zip(edges, edges[1:])},
+               f">={edges[-1]:g}": [0, 0.0]}
     for s, e, name in spans:
-        if end is not None and s - end >= min_us:
-            gaps.append({"us": s - end, "after": before, "before": name})
+        if end is not None and s > end:
+            gap = s - end
+            label = next((k for k, hi in zip(buckets, (*edges, float("inf"))) if gap < hi))
+            buckets[label][0] += 1
+            buckets[label][1] += gap
+            if gap >= min_us:
+                gaps.append({"us": gap, "after": before, "before": name})
         if end is None or e > end:
             end, before = e, name
     gaps.sort(key=lambda g: -g["us"])
-    return {"idle_us_in_gaps_over_5us": sum(g["us"] for g in gaps), "count": len(gaps), "top": gaps[:n]}
+    return {"idle_us_in_gaps_over_5us": sum(g["us"] for g in gaps), "count": len(gaps), "top": gaps[:n],
+            "all_gaps_by_length_us": {k: {"count": c, "us": round(t, 1)} for k, (c, t) in buckets.items()}}
 
 
 def run_variant(variant, cfg, state, ids, targets, dev, dt, warmup, steps, profile=False,
