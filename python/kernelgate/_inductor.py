@@ -70,6 +70,9 @@ class _Loader(importlib.abc.Loader):
         self.inner.exec_module(module)
         register_fallbacks()
 
+    def __getattr__(self, name):  # get_source, get_filename, ...: the module's own loader's
+        return getattr(self.inner, name)
+
 
 class _AfterLoweringImport(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path, target=None):

@@ -38,6 +38,7 @@ def missing():
     return sorted(str(op) for op in ops
                   if op not in lowering.lowerings and op not in lowering.decompositions)
 out["missing"] = missing()
+out["source_readable"] = "def make_fallback" in lowering.__loader__.get_source(lowering.__name__)
 if os.environ.get("COMPILE") == "1":
     torch._inductor.config.force_disable_caches = True  # a cache hit would skip the lowering
     def f(x, w, g, u):
@@ -65,6 +66,7 @@ def test_importing_kernelgate_does_not_import_inductor_and_its_import_registers_
     got = probe()
     assert got["inductor_imported_by_kernelgate"] is False
     assert got["missing"] == []
+    assert got["source_readable"] is True  # the module's loader still answers what it did
 
 
 def test_inductor_imported_before_kernelgate_gets_the_fallbacks_at_kernelgate_import():
