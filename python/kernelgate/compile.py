@@ -23,7 +23,11 @@ What it rewrites (``patterns()`` lists each with its forms):
   sum used after (the next residual) or not (a model's last norm);
 * layer_norm over the last dim with weight and bias (``F.layer_norm``, ``nn.LayerNorm``);
 * swiglu ``F.silu(g) * u`` and geglu ``F.gelu(g, approximate="tanh" | "none") * u``, g and u of one
-  shape and dtype.
+  shape and dtype;
+* linear_cross_entropy — a language model's loss ``F.cross_entropy(F.linear(h, w).float(), t)``
+  (16-bit h and w; in a float32 model without the cast), 2-D h, int64 targets, no bias, the
+  defaults of ``F.cross_entropy`` (mean, ignore_index -100, no label smoothing): the logits are
+  never materialised.
 
 A subgraph is replaced only where the replacement computes the same thing within the oracle rule:
 the pattern, traced again at the match's shapes, dtypes and eps, must match node for node with
@@ -79,9 +83,19 @@ class _Form:
 
     def __init__(self, op: str, name: str, search: Callable, replace: Callable, args: Sequence[str],
                  dtype: torch.dtype, shapes: Sequence[Sequence[int]], strings: Optional[Dict[str, str]] = None,
-                 eps: bool = False):
+                 eps: bool = False, classes: Optional[Dict[str, int]] = None, scalar_float32: bool = False,
+                 absent: int = 0):
         self.op, self.name, self.search, self.replace = op, name, search, replace
         self.args, self.dtype, self.shapes, self.strings, self.eps = list(args), dtype, shapes, strings or {}, eps
+        # classes: the int64 class-index arguments (targets), each with the class count it is
+        # traced with. scalar_float32: the result is a float32 scalar (a loss), not a tensor of
+        # the first input's shape and dtype.
+        self.classes, self.scalar_float32 = classes or {}, scalar_float32
+        self.absent = absent  # optional tensor arguments after these, not given (a bias)
+        # Inductor's own joint-graph passes rewrite some of a loss's graph before kernelgate's pass
+        # sees it (cross_entropy's backward scatter becomes an iota compare): such a form is
+        # traced through those passes too.
+        self.canonical = bool(self.classes)
 
 
 def _hf_rms(x, w, eps):
@@ -164,6 +178,18 @@ def _geglu_none(g, u):
     return torch.ops.kernelgate.geglu(g, u, "none")
 
 
+def _linear_ce_float(h, w, t):
+    return torch.nn.functional.cross_entropy(torch.nn.functional.linear(h, w).float(), t)
+
+
+def _linear_ce_plain(h, w, t):
+    return torch.nn.functional.cross_entropy(torch.nn.functional.linear(h, w), t)
+
+
+def _linear_ce(h, w, t):
+    return torch.ops.kernelgate.linear_cross_entropy(h, w, t)
+
+
 def _forms() -> List[_Form]:
     rows, hidden = (8, 64), (64,)
     out = []
@@ -192,6 +218,13 @@ def _forms() -> List[_Form]:
                   (rows, rows), strings={"approximate": "tanh"}),
             _Form("geglu", "F.gelu(g) * u", _gelu_mul, _geglu_none, ("g", "u"), dt, (rows, rows),
                   strings={"approximate": "none"}),
+            # A language model's loss: the float32 loss of the logits (16-bit models upcast them;
+            # in a float32 model the cast vanishes). The op's loss is float32 whatever the input
+            # dtype, so a 16-bit loss (no upcast) is not this op.
+            _Form("linear_cross_entropy",
+                  "F.cross_entropy(F.linear(h, w).float(), t)" if dt != torch.float32 else "F.cross_entropy(F.linear(h, w), t)",
+                  _linear_ce_float if dt != torch.float32 else _linear_ce_plain, _linear_ce, ("h", "w", "t"), dt,
+                  ((8, 64), (24, 64), (8,)), classes={"t": 24}, scalar_float32=True, absent=1),
         ]
     return out
 
@@ -209,7 +242,9 @@ def _val(node):
 
 
 def _examples(form: _Form, grad: bool, device: str) -> list:
-    return [torch.randn(*s, dtype=form.dtype, device=device, requires_grad=grad) for s in form.shapes]
+    return [torch.randint(0, form.classes[a], s, device=device) if a in form.classes else
+            torch.randn(*s, dtype=form.dtype, device=device, requires_grad=grad)
+            for a, s in zip(form.args, form.shapes)]
 
 
 def _meta_of(t: torch.Tensor) -> Optional[torch.Tensor]:
@@ -237,9 +272,12 @@ def _check(form: _Form, grad: bool, match: pm.Match) -> bool:
 
 
 def _refusal(form: _Form, grad: bool, match: pm.Match) -> Optional[str]:
-    tensors = [_val(match.kwargs.get(a)) for a in form.args]
-    if any(not isinstance(t, torch.Tensor) for t in tensors):
+    every = [_val(match.kwargs.get(a)) for a in form.args]
+    if any(not isinstance(t, torch.Tensor) for t in every):
         return "an input is not a tensor"
+    if any(t.dtype != torch.int64 for a, t in zip(form.args, every) if a in form.classes):
+        return "class indices that are not int64"
+    tensors = [t for a, t in zip(form.args, every) if a not in form.classes]
     x = tensors[0]
     if any(t.dtype != x.dtype for t in tensors):
         return f"dtypes {[str(t.dtype) for t in tensors]} (the op takes one dtype for all)"
@@ -247,17 +285,18 @@ def _refusal(form: _Form, grad: bool, match: pm.Match) -> Optional[str]:
         return f"dtype {x.dtype} (this form is for {'float32' if form.dtype == torch.float32 else '16-bit'} inputs)"
     if x.dtype == torch.float64:
         return "float64 (kernelgate's ops take float32, float16 and bfloat16)"
-    if any(t.device != x.device for t in tensors):
+    if any(t.device != x.device for t in every):
         return "tensors on more than one device"
     outputs = match.output_nodes()
     out = _val(outputs[0])
-    if out is None or out.dtype != x.dtype or tuple(out.shape) != tuple(x.shape):
+    want = (torch.float32, ()) if form.scalar_float32 else (x.dtype, tuple(x.shape))
+    if out is None or (out.dtype, tuple(out.shape)) != want:
         return "its result's dtype or shape differs from the op's (a broadcast or a type promotion)"
-    metas = [_meta_of(t) for t in tensors]
+    metas = [_meta_of(t) for t in every]
     if any(m is None for m in metas):
         return "symbolic sizes without a hint"
     try:
-        d = _C.explain(form.op, metas, grad, dict(form.strings), str(x.device))
+        d = _C.explain(form.op, metas + [None] * form.absent, grad, dict(form.strings), str(x.device))
     except RuntimeError as e:
         return f"the op refuses the call: {e}"
     if _active.mode == "evidence":
@@ -314,10 +353,16 @@ def _pattern_pass() -> pm.PatternMatcherPass:
     it differs from the CPU's. Traced once per process, at the first compile that runs the pass."""
     passes = pm.PatternMatcherPass(pass_name="kernelgate")
     cuda = torch.cuda.is_available()
+    if any(form.canonical for form in _forms()):
+        # Inductor registers its own joint-graph patterns at their first use, through the
+        # function a form is registered with, which cannot run inside itself: first, here.
+        from torch._inductor.fx_passes.joint_graph import lazy_init
+        lazy_init(None)
     for form in _forms():
         # The matcher names a pattern's inputs after the search function's parameters: x, w,
-        # b, g, u and eps.
+        # b, g, u, h, t and eps.
         for grad, trace in ((True, pm.joint_fwd_bwd), (False, _forward_only)):
+            trace = _canonical(trace) if form.canonical else trace
             devices = ["cpu"]
             if cuda and _ops_traced(form, grad, trace, "cuda") != _ops_traced(form, grad, trace, "cpu"):
                 devices.append("cuda")
@@ -326,6 +371,29 @@ def _pattern_pass() -> pm.PatternMatcherPass:
                                         passes, extra_check=functools.partial(_check, form, grad),
                                         scalar_workaround={"eps": _EPS} if form.eps else None)
     return passes
+
+
+def _canonical(trace):
+    """`trace`, then Inductor's joint-graph passes over the traced graph (in the fake mode the
+    graph was traced in; no custom passes: kernelgate's own is one of them), which make a graph
+    what kernelgate's pass is given."""
+    from torch._guards import detect_fake_mode
+    from torch._inductor.fx_passes.joint_graph import joint_graph_passes
+    from torch._inductor.virtualized import V
+
+    def traced(fn, args):
+        gm = trace(fn, args)
+        fake = detect_fake_mode([n.meta["val"] for n in gm.graph.nodes if "val" in n.meta])
+        # Set and restored by hand: this runs inside a compile whose config is patched already.
+        custom = inductor_config.joint_custom_pre_pass, inductor_config.joint_custom_post_pass
+        inductor_config.joint_custom_pre_pass = inductor_config.joint_custom_post_pass = None
+        try:
+            with V.set_fake_mode(fake), fake:
+                joint_graph_passes(gm)
+        finally:
+            inductor_config.joint_custom_pre_pass, inductor_config.joint_custom_post_pass = custom
+        return gm
+    return traced
 
 
 def _ops_traced(form: _Form, grad: bool, trace, device: str) -> List[str]:
