@@ -52,13 +52,19 @@ fi
 
 if want tests; then
 step "GPU tests"
-# pytest-xdist where installed: the GPU tests' float64 oracles run on the CPU.
-XDIST=(); "$PY" -c "import xdist" 2>/dev/null && XDIST=(-n 8)
+# pytest-xdist where installed (KG_TEST_N workers, default 8): the GPU tests' float64 oracles run
+# on the CPU.
+XDIST=(); "$PY" -c "import xdist" 2>/dev/null && XDIST=(-n "${KG_TEST_N:-8}")
 # -v: each test's name and result print as it ends, so a run cut by a time limit still says which
-# failed; KG_PYTEST_ARGS narrows it (e.g. -k "liger or fla"); KG_TEST_TIMEOUT bounds each test.
+# failed; KG_TEST_PATHS are the files (default: all), KG_TEST_K a -k expression (e.g. "liger or
+# fla"), KG_PYTEST_ARGS more arguments; KG_TEST_TIMEOUT bounds each test, KG_TEST_S the whole run.
+# pytest's exit status goes to pytest_gpu.rc (124: the run was cut by KG_TEST_S).
 TIMEOUT=(); "$PY" -c "import pytest_timeout" 2>/dev/null && TIMEOUT=(--timeout="${KG_TEST_TIMEOUT:-300}")
-(cd tests/python && KG_FAILURE_LOG="$OUT/pytest_failures.log" "$PY" -m pytest -v -rfE --tb=short -p no:cacheprovider -m gpu "${XDIST[@]}" "${TIMEOUT[@]}" \
-   --junitxml="$OUT/pytest_gpu.xml" ${KG_PYTEST_ARGS:-} . ) >"$OUT/pytest_gpu.log" 2>&1 || status=1
+LIMIT=(); [ -n "${KG_TEST_S:-}" ] && LIMIT=(timeout "$KG_TEST_S")
+K=(); [ -n "${KG_TEST_K:-}" ] && K=(-k "$KG_TEST_K")
+(cd tests/python && KG_FAILURE_LOG="$OUT/pytest_failures.log" "${LIMIT[@]}" "$PY" -m pytest -v -rfE --tb=short -p no:cacheprovider -m gpu "${XDIST[@]}" "${TIMEOUT[@]}" \
+   "${K[@]}" --junitxml="$OUT/pytest_gpu.xml" ${KG_PYTEST_ARGS:-} ${KG_TEST_PATHS:-.} ) >"$OUT/pytest_gpu.log" 2>&1
+rc=$?; echo $rc >"$OUT/pytest_gpu.rc"; [ $rc -eq 0 ] || status=1
 grep -E "(FAILED|ERROR) |passed|failed" "$OUT/pytest_gpu.log" | tail -25
 fi
 

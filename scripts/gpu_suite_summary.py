@@ -61,8 +61,9 @@ def main(argv=None) -> int:
     print(f"{a.part}: {o.get('PASSED', 0)} passed, {o.get('FAILED', 0)} failed, {o.get('ERROR', 0)} errors, "
           f"{o.get('XFAIL', 0)} xfailed, {o.get('SKIPPED', 0)} skipped; {doc['unfinished']} unfinished; "
           f"rc {a.rc}, {a.seconds} s")
-    for name in doc["failed"] + doc["errors"]:
-        print("  FAILED", name)
+    for outcome, key in (("FAILED", "failed"), ("ERROR", "errors")):
+        for name in doc[key]:
+            print(f"  {outcome} {name}")
     return 0
 
 
