@@ -353,12 +353,13 @@ def _pattern_pass() -> pm.PatternMatcherPass:
     it differs from the CPU's. Traced once per process, at the first compile that runs the pass."""
     passes = pm.PatternMatcherPass(pass_name="kernelgate")
     cuda = torch.cuda.is_available()
-    if any(form.canonical for form in _forms()):
+    forms = _forms()
+    if any(form.canonical for form in forms):
         # Inductor registers its own joint-graph patterns at their first use, through the
         # function a form is registered with, which cannot run inside itself: first, here.
         from torch._inductor.fx_passes.joint_graph import lazy_init
         lazy_init(None)
-    for form in _forms():
+    for form in forms:
         # The matcher names a pattern's inputs after the search function's parameters: x, w,
         # b, g, u, h, t and eps.
         for grad, trace in ((True, pm.joint_fwd_bwd), (False, _forward_only)):
