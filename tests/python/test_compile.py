@@ -66,12 +66,12 @@ def _inputs(dtype, grad, seed=0, device="cpu"):
 
 
 def _run(fn, inputs, grad):
-    """fn's output and the inputs' gradients (for a fixed random cotangent)."""
+    """fn's output and the floating inputs' gradients (for a fixed random cotangent)."""
     out = fn(*inputs)
     if not grad:
         return [out.detach()]
     cot = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.device, out.dtype)
-    grads = torch.autograd.grad(out, inputs, cot, allow_unused=True)
+    grads = torch.autograd.grad(out, [t for t in inputs if t.requires_grad], cot, allow_unused=True)
     return [out.detach()] + [g for g in grads if g is not None]
 
 
@@ -79,14 +79,17 @@ def _rel(a, ref):
     return float((a.double() - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
-def check_against_float64(fn, compiled, dtype, grad, device="cpu"):
+def check_against_float64(fn, compiled, dtype, grad, device="cpu", make=None):
     """The compiled result no further from float64 than twice the eager code's distance (or
-    float32 rounding)."""
-    inputs = _inputs(dtype, grad, device=device)
+    float32 rounding); `make(dtype, grad, device=...)` makes the inputs (default _inputs), whose
+    integer tensors (class indices) stay as they are."""
+    make = make or _inputs
+    inputs = make(dtype, grad, device=device)
     with torch.set_grad_enabled(grad):
         eager = _run(fn, inputs, grad)
-        got = _run(compiled, _inputs(dtype, grad, device=device), grad)
-        exact = _run(fn, [t.detach().double().requires_grad_(grad) for t in inputs], grad)
+        got = _run(compiled, make(dtype, grad, device=device), grad)
+        exact = _run(fn, [t.detach().double().requires_grad_(grad) if t.is_floating_point() else t
+                          for t in inputs], grad)
     assert len(got) == len(eager) == len(exact)
     floor = 1e-6 if dtype == torch.float32 else 4e-3
     for i, (g, e, ref) in enumerate(zip(got, eager, exact)):
@@ -228,24 +231,6 @@ def _lce_inputs(dtype, grad, device="cpu"):
     return [h.requires_grad_(grad), w.requires_grad_(grad), t.to(device)]
 
 
-def check_lce_against_float64(fn, compiled, dtype, grad, device="cpu"):
-    """The loss and both gradients of the compiled call no further from float64 than twice the
-    eager code's distance (or float32 rounding)."""
-    def run(f, h, w, t):
-        loss = f(h, w, t)
-        return [loss.detach()] + (list(torch.autograd.grad(loss, (h, w))) if grad else [])
-
-    inputs = _lce_inputs(dtype, grad, device)
-    with torch.set_grad_enabled(grad):
-        eager = run(fn, *inputs)
-        got = run(compiled, *_lce_inputs(dtype, grad, device))
-        exact = run(fn, *[x.detach().double().requires_grad_(grad) for x in inputs[:2]], inputs[2])
-    for i, (g, e, ref) in enumerate(zip(got, eager, exact)):
-        assert g.dtype == e.dtype and g.shape == e.shape, (i, g.dtype, e.dtype, g.shape, e.shape)
-        assert _rel(g, ref) <= max(2 * _rel(e, ref), 1e-6 if dtype == torch.float32 else 4e-3), \
-            (i, _rel(g, ref), _rel(e, ref))
-
-
 def _lce_float(h, w, t):
     return F.cross_entropy(F.linear(h, w).float(), t)
 
@@ -258,7 +243,7 @@ def _lce_plain(h, w, t):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
 def test_the_linear_cross_entropy_pattern_fires_and_computes_what_it_replaced(hook, dtype, grad):
     fn = _lce_float if dtype != torch.float32 else _lce_plain
-    check_lce_against_float64(fn, torch.compile(fn), dtype, grad)
+    check_against_float64(fn, torch.compile(fn), dtype, grad, make=_lce_inputs)
     form = ("F.cross_entropy(F.linear(h, w).float(), t)" if dtype != torch.float32
             else "F.cross_entropy(F.linear(h, w), t)")
     assert kc.stats()["rewritten"] == {f"linear_cross_entropy: {form}": 1}, kc.stats()
@@ -278,7 +263,7 @@ LCE_NOT_MATCHED = {
 @pytest.mark.parametrize("case", list(LCE_NOT_MATCHED))
 def test_the_linear_cross_entropy_pattern_does_not_fire_where_it_must_not(hook, case, grad):
     fn = LCE_NOT_MATCHED[case]
-    check_lce_against_float64(fn, torch.compile(fn), torch.bfloat16, grad)
+    check_against_float64(fn, torch.compile(fn), torch.bfloat16, grad, make=_lce_inputs)
     assert kc.stats()["rewritten"] == {}, kc.stats()
 
 
@@ -329,7 +314,7 @@ def test_the_linear_cross_entropy_pattern_fires_on_the_gpu_and_runs_a_kernelgate
     it, and loss and gradients are as close to float64 as the eager code's (twice its error)."""
     with kg.use(force={"linear_cross_entropy": "kernelgate_cuda"}):
         compiled = torch.compile(_lce_float)
-        check_lce_against_float64(_lce_float, compiled, torch.bfloat16, grad, device="cuda")
+        check_against_float64(_lce_float, compiled, torch.bfloat16, grad, device="cuda", make=_lce_inputs)
         inputs = _lce_inputs(torch.bfloat16, grad, "cuda")
         with torch.set_grad_enabled(grad):
             launched = _kernelgate_kernels(lambda: compiled(*inputs))
