@@ -24,6 +24,12 @@ What it rewrites (``patterns()`` lists each with its forms):
 * layer_norm over the last dim with weight and bias (``F.layer_norm``, ``nn.LayerNorm``);
 * swiglu ``F.silu(g) * u`` and geglu ``F.gelu(g, approximate="tanh" | "none") * u``, g and u of one
   shape and dtype;
+* rope — Hugging Face's ``apply_rotary_pos_emb(q, k, cos, sin)``: ``q * cos + rotate_half(q) * sin``
+  and the same of k, q and k [batch, heads, seq, head_dim] (grouped-query heads too), cos and sin
+  [batch or 1, seq, head_dim] in q's dtype and needing no gradient (the op computes none for
+  them); rotate_half as Hugging Face writes it or with its second half sliced first;
+* qk_norm_rope — Qwen3's attention: per-head norms (either spelling above) of the projections
+  [batch, seq, heads, head_dim], one eps for both, the heads moved first, then that rope;
 * linear_cross_entropy — a language model's loss ``F.cross_entropy(F.linear(h, w).float(), t)``
   (16-bit h and w; in a float32 model without the cast), 2-D h, int64 targets, no bias, the
   defaults of ``F.cross_entropy`` (mean, ignore_index -100, no label smoothing): the logits are
@@ -45,6 +51,10 @@ default). Mode ``"always"`` rewrites wherever the op accepts the call (to test a
 a backend forced through ``kg.use``). ``stats()`` counts what was rewritten and why a match was
 left alone.
 
+rope's backward reads neither q nor k, so in a training graph the backward of q and that of k
+look alike; each further output of a pattern is matched only where its gradient has that
+output's shape and dtype and no graph node is matched twice (``_Outputs``).
+
 Not matched (left to Inductor): in a float32 model, a norm of a tensor that something else also
 reads (the residual stream): autograd accumulates that tensor's gradients into the norm's own
 backward sum, which the pattern does not have (16-bit models keep them apart with their casts);
@@ -55,12 +65,14 @@ import collections
 import functools
 import logging
 import threading
+import warnings
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch._inductor.config as inductor_config
 from torch._inductor import pattern_matcher as pm
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch.utils._ordered_set import OrderedSet
 
 from . import _C
 from ._api import kernel_serves
@@ -73,7 +85,7 @@ MODES = ("evidence", "always")
 _EPS = 2.0 ** -17
 
 _lock = threading.Lock()
-_stats = {"rewritten": collections.Counter(), "left": collections.Counter()}
+_stats = {"rewritten": collections.Counter(), "left": collections.Counter(), "served": collections.Counter()}
 _active = threading.local()  # .mode: the mode of the pass now running on this thread
 
 
@@ -84,7 +96,8 @@ class _Form:
     def __init__(self, op: str, name: str, search: Callable, replace: Callable, args: Sequence[str],
                  dtype: torch.dtype, shapes: Sequence[Sequence[int]], strings: Optional[Dict[str, str]] = None,
                  eps: bool = False, classes: Optional[Dict[str, int]] = None, scalar_float32: bool = False,
-                 absent: int = 0):
+                 absent: int = 0, constants: Sequence[str] = (), op_args: Optional[Callable] = None,
+                 any_dtype: bool = False):
         self.op, self.name, self.search, self.replace = op, name, search, replace
         self.args, self.dtype, self.shapes, self.strings, self.eps = list(args), dtype, shapes, strings or {}, eps
         # classes: the int64 class-index arguments (targets), each with the class count it is
@@ -92,6 +105,14 @@ class _Form:
         # the first input's shape and dtype.
         self.classes, self.scalar_float32 = classes or {}, scalar_float32
         self.absent = absent  # optional tensor arguments after these, not given (a bias)
+        # constants: inputs that never need a gradient (rope's cos and sin: the op computes none).
+        # op_args: the op's tensor arguments made from the search function's, where they differ
+        # (a transpose); the first output has the first of them's shape and dtype.
+        self.constants = set(constants)
+        self.op_args = op_args or list
+        # any_dtype: the graph has no casts, so one trace matches float32 and 16-bit graphs alike
+        # (the matcher refuses a second, identical pattern).
+        self.any_dtype = any_dtype
         # Inductor's own joint-graph passes rewrite some of a loss's graph before kernelgate's pass
         # sees it (cross_entropy's backward scatter becomes an iota compare): such a form is
         # traced through those passes too.
@@ -178,6 +199,67 @@ def _geglu_none(g, u):
     return torch.ops.kernelgate.geglu(g, u, "none")
 
 
+def _rotate_half(x):
+    """Hugging Face's, as written there."""
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _rotate_half_second_first(x):
+    """The same rotation with its second half sliced first (as other model code writes it): the
+    order of the slices decides the order in which autograd sums their gradients, which a
+    training graph's pattern must match."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+# Each rotate-half spelling, with the name its forms take.
+_ROTATIONS = ((_rotate_half, "hugging face rope"), (_rotate_half_second_first, "rotate-half rope, second half sliced first"))
+
+
+def _rope_of(rotate):
+    """Hugging Face's apply_rotary_pos_emb after its unsqueeze of cos and sin (which a model's
+    layers share), with this rotation: q and k [batch, heads, seq, head_dim], cos and sin
+    [batch or 1, 1, seq, head_dim]."""
+    def f(q, k, cos, sin):
+        return q * cos + rotate(q) * sin, k * cos + rotate(k) * sin
+    return f
+
+
+def _rope(q, k, cos, sin):
+    return torch.ops.kernelgate.rope(q, k, cos.squeeze(1), sin.squeeze(1))
+
+
+def _rope_args(ts):
+    """rope's arguments from its search function's: cos and sin without the heads dim (a 4-D
+    cos whose second dim is not 1 stays 4-D, which the op refuses)."""
+    q, k, cos, sin = ts
+    return [q, k, cos.squeeze(1), sin.squeeze(1)]
+
+
+def _qk_norm_rope_args(ts):
+    """qk_norm_rope's arguments from its search function's: q and k [batch, seq, heads, head_dim]
+    as the op takes them, [batch, heads, seq, head_dim] (views), and cos and sin as rope's."""
+    q, k, qw, kw, cos, sin = ts
+    return [q.transpose(1, 2), k.transpose(1, 2), qw, kw, cos.squeeze(1), sin.squeeze(1)]
+
+
+def _qk_norm_then_rope(norm, rotate):
+    """Qwen3's attention: per-head norms of the projections [batch, seq, heads, head_dim], the
+    heads moved first, then the rope."""
+    rope = _rope_of(rotate)
+
+    def f(q, k, qw, kw, cos, sin, eps):
+        return rope(norm(q, qw, eps).transpose(1, 2), norm(k, kw, eps).transpose(1, 2), cos, sin)
+    return f
+
+
+def _qk_norm_rope(q, k, qw, kw, cos, sin, eps):
+    return torch.ops.kernelgate.qk_norm_rope(q.transpose(1, 2), k.transpose(1, 2), qw, kw, cos.squeeze(1),
+                                             sin.squeeze(1), eps)
+
+
 def _linear_ce_float(h, w, t):
     return torch.nn.functional.cross_entropy(torch.nn.functional.linear(h, w).float(), t)
 
@@ -190,14 +272,35 @@ def _linear_ce(h, w, t):
     return torch.ops.kernelgate.linear_cross_entropy(h, w, t)
 
 
+def _hugging_face(dt: torch.dtype):
+    """The Hugging Face norm, alone and after a residual add, and its name, as a model of dtype
+    dt has them: in a float32 model its casts are no-ops and vanish from the graph."""
+    if dt == torch.float32:
+        return _plain_rms, _add_plain_rms, "hugging face (float32)"
+    return _hf_rms, _add_hf_rms, "hugging face"
+
+
 def _forms() -> List[_Form]:
     rows, hidden = (8, 64), (64,)
     out = []
+    # Where one pattern holds another (q and k norms then rope holds rope and the norms; a
+    # residual add then a norm holds the norm), the larger first: the matcher takes the first
+    # registered pattern that matches at a node.
+    heads = ((2, 8, 4, 16), (2, 8, 2, 16), (16,), (16,), (1, 1, 8, 16), (1, 1, 8, 16))
     for dt in (torch.bfloat16, torch.float32):
-        # In a float32 model the Hugging Face norm's casts are no-ops and vanish from the graph.
-        hf = _hf_rms if dt != torch.float32 else _plain_rms
-        add_hf = _add_hf_rms if dt != torch.float32 else _add_plain_rms
-        hf_name = "hugging face" if dt != torch.float32 else "hugging face (float32)"
+        hf, _, hf_name = _hugging_face(dt)
+        for norm, spelled in ((hf, hf_name), (_f_rms, "F.rms_norm")):
+            for rotate, rope in _ROTATIONS:
+                out.append(_Form("qk_norm_rope", f"{spelled} of q and k, then {rope}", _qk_norm_then_rope(norm, rotate),
+                                 _qk_norm_rope, ("q", "k", "qw", "kw", "cos", "sin"), dt, heads, eps=True,
+                                 constants=("cos", "sin"), op_args=_qk_norm_rope_args))
+    for rotate, rope in _ROTATIONS:
+        out.append(_Form("rope", "hugging face (apply_rotary_pos_emb)" if rotate is _rotate_half else rope,
+                         _rope_of(rotate), _rope, ("q", "k", "cos", "sin"), torch.bfloat16,
+                         ((2, 4, 8, 16), (2, 2, 8, 16), (1, 1, 8, 16), (1, 1, 8, 16)),
+                         constants=("cos", "sin"), op_args=_rope_args, any_dtype=True))
+    for dt in (torch.bfloat16, torch.float32):
+        hf, add_hf, hf_name = _hugging_face(dt)
         # A residual add feeding a norm first: its pattern holds the rms_norm pattern, and the
         # matcher takes the first registered pattern that matches.
         for search, spelled in ((add_hf, hf_name), (_add_f_rms, "F.rms_norm")):
@@ -231,7 +334,8 @@ def _forms() -> List[_Form]:
 
 def patterns() -> List[dict]:
     """The op, form and traced dtype family of every pattern the pass looks for."""
-    return [{"op": f.op, "form": f.name, "dtypes": "float32" if f.dtype == torch.float32 else "16-bit"}
+    return [{"op": f.op, "form": f.name,
+             "dtypes": "any" if f.any_dtype else "float32" if f.dtype == torch.float32 else "16-bit"}
             for f in _forms()]
 
 
@@ -243,7 +347,7 @@ def _val(node):
 
 def _examples(form: _Form, grad: bool, device: str) -> list:
     return [torch.randint(0, form.classes[a], s, device=device) if a in form.classes else
-            torch.randn(*s, dtype=form.dtype, device=device, requires_grad=grad)
+            torch.randn(*s, dtype=form.dtype, device=device, requires_grad=grad and a not in form.constants)
             for a, s in zip(form.args, form.shapes)]
 
 
@@ -260,10 +364,12 @@ def _meta_of(t: torch.Tensor) -> Optional[torch.Tensor]:
 
 
 def _check(form: _Form, grad: bool, match: pm.Match) -> bool:
-    why = _refusal(form, grad, match)
+    decision = {}
+    why = _refusal(form, grad, match, decision)
     with _lock:
         if why is None:
             _stats["rewritten"][f"{form.op}: {form.name}"] += 1
+            _stats["served"][f"{form.op}: {decision['backend']} ({decision['reason']})"] += 1
         else:
             _stats["left"][f"{form.op}: {form.name}: {why}"] += 1
     if why is not None:
@@ -271,7 +377,9 @@ def _check(form: _Form, grad: bool, match: pm.Match) -> bool:
     return why is None
 
 
-def _refusal(form: _Form, grad: bool, match: pm.Match) -> Optional[str]:
+def _refusal(form: _Form, grad: bool, match: pm.Match, decision: dict) -> Optional[str]:
+    """Why the match is left to Inductor, or None; `decision` gets the dispatcher's explanation
+    of the op's call where it got that far."""
     every = [_val(match.kwargs.get(a)) for a in form.args]
     if any(not isinstance(t, torch.Tensor) for t in every):
         return "an input is not a tensor"
@@ -281,26 +389,27 @@ def _refusal(form: _Form, grad: bool, match: pm.Match) -> Optional[str]:
     x = tensors[0]
     if any(t.dtype != x.dtype for t in tensors):
         return f"dtypes {[str(t.dtype) for t in tensors]} (the op takes one dtype for all)"
-    if (form.dtype == torch.float32) != (x.dtype == torch.float32) or not x.dtype.is_floating_point:
+    if not x.dtype.is_floating_point or (not form.any_dtype and (form.dtype == torch.float32) != (x.dtype == torch.float32)):
         return f"dtype {x.dtype} (this form is for {'float32' if form.dtype == torch.float32 else '16-bit'} inputs)"
     if x.dtype == torch.float64:
         return "float64 (kernelgate's ops take float32, float16 and bfloat16)"
     if any(t.device != x.device for t in every):
         return "tensors on more than one device"
-    outputs = match.output_nodes()
-    out = _val(outputs[0])
-    want = (torch.float32, ()) if form.scalar_float32 else (x.dtype, tuple(x.shape))
-    if out is None or (out.dtype, tuple(out.shape)) != want:
-        return "its result's dtype or shape differs from the op's (a broadcast or a type promotion)"
     metas = [_meta_of(t) for t in every]
     if any(m is None for m in metas):
         return "symbolic sizes without a hint"
+    metas = form.op_args(metas)
+    outputs = match.output_nodes()
+    out = _val(outputs[0])
+    want = (torch.float32, ()) if form.scalar_float32 else (x.dtype, tuple(metas[0].shape))
+    if out is None or (out.dtype, tuple(out.shape)) != want:
+        return "its result's dtype or shape differs from the op's (a broadcast or a type promotion)"
     try:
-        d = _C.explain(form.op, metas + [None] * form.absent, grad, dict(form.strings), str(x.device))
+        decision.update(_C.explain(form.op, metas + [None] * form.absent, grad, dict(form.strings), str(x.device)))
     except RuntimeError as e:
         return f"the op refuses the call: {e}"
     if _active.mode == "evidence":
-        return kernel_serves(d)
+        return kernel_serves(decision)
     return None
 
 
@@ -315,7 +424,11 @@ class _Pass(CustomGraphPass):
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         _active.mode = self.mode
-        n = _pattern_pass().apply(graph)
+        with warnings.catch_warnings():
+            # A multi-output pattern whose outputs share a node (add_rms_norm's two input
+            # gradients are one tensor) has it replaced once per output: harmless, not the user's.
+            warnings.filterwarnings("ignore", message=r"erase_node\(.*\) on an already erased node")
+            n = _pattern_pass().apply(graph)
         if n:
             pm.stable_topological_sort(graph)
             graph.lint()
@@ -361,7 +474,7 @@ def _pattern_pass() -> pm.PatternMatcherPass:
         lazy_init(None)
     for form in forms:
         # The matcher names a pattern's inputs after the search function's parameters: x, w,
-        # b, g, u, h, t and eps.
+        # b, g, u, h, t, q, k, qw, kw, cos, sin and eps.
         for grad, trace in ((True, pm.joint_fwd_bwd), (False, _forward_only)):
             trace = _canonical(trace) if form.canonical else trace
             devices = ["cpu"]
@@ -371,7 +484,47 @@ def _pattern_pass() -> pm.PatternMatcherPass:
                 pm.register_replacement(form.search, form.replace, _examples(form, grad, device), trace,
                                         passes, extra_check=functools.partial(_check, form, grad),
                                         scalar_workaround={"eps": _EPS} if form.eps else None)
+    for entries in passes.patterns.values():
+        for entry in entries:
+            if type(entry.pattern) is pm.MultiOutputPattern:
+                entry.pattern.__class__ = _Outputs
     return passes
+
+
+class _Outputs(pm.MultiOutputPattern):
+    """A pattern of several outputs (a joint graph's results and input gradients), matched as
+    Inductor matches them, with two more rules for each further output it finds from the nodes
+    matched before: no graph node is matched by two of the pattern's ops, and a tangent (the
+    gradient of forward output i) has that output's shape and dtype. Without them a pattern
+    whose parts look alike (rope's q and k, whose backward reads neither) could take k's
+    backward for q's, or q's forward for k's."""
+
+    def _match_from_anchors(self, pattern, ctx):
+        prior = dict(ctx.pattern_to_node)
+        m = pm.FailedMatch("no anchor found")
+        for node in pattern.find_anchor_nodes(ctx, OrderedSet()):
+            m = ctx.match(pattern, node)
+            if pm.is_match(m):
+                why = self._inconsistent(ctx)
+                if why is None:
+                    return m
+                m = pm.FailedMatch(why)
+            ctx.pattern_to_node = dict(prior)
+        return m
+
+    def _inconsistent(self, ctx) -> Optional[str]:
+        ops = [n for p, n in ctx.pattern_to_node.items() if isinstance(p, pm._TargetExpr) and n is not None]
+        if len(ops) != len(set(ops)):
+            return "a node matched twice"
+        tangents = {p.name: n for p, n in ctx.pattern_to_node.items()
+                    if isinstance(p, pm.KeywordArg) and p.name.startswith("tangents_") and n is not None}
+        for name, tangent in tangents.items():
+            i = int(name[len("tangents_"):]) - 1
+            out = ctx.pattern_to_node.get(self.outputs[i]) if 0 <= i < len(self.outputs) else None
+            a, b = _val(tangent), _val(out)
+            if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and (a.shape, a.dtype) != (b.shape, b.dtype):
+                return f"{name} is not the gradient of output {i}"
+        return None
 
 
 def _canonical(trace):
@@ -430,8 +583,10 @@ def enabled() -> bool:
 
 
 def stats(reset: bool = False) -> dict:
-    """{"rewritten": {"op: form": count}, "left": {"op: form: why": count}} since the last reset:
-    one count per match (a training graph's match covers forward and backward)."""
+    """{"rewritten": {"op: form": count}, "left": {"op: form: why": count}, "served": {"op: backend
+    (the dispatcher's reason)": count}} since the last reset: one count per match (a training
+    graph's match covers forward and backward); "served" says which backend the dispatcher
+    chose for each rewritten call, as ``kg.explain`` would (a forced backend is the user's)."""
     with _lock:
         out = {k: dict(v) for k, v in _stats.items()}
         if reset:

@@ -82,13 +82,14 @@ def _rel(a, ref):
 def check_against_float64(fn, compiled, dtype, grad, device="cpu", make=None):
     """The compiled result no further from float64 than twice the eager code's distance (or
     float32 rounding); `make(dtype, grad, device=...)` makes the inputs (default _inputs), whose
-    integer tensors (class indices) stay as they are."""
+    integer tensors (class indices) stay as they are and whose floating tensors keep whether they
+    require a gradient (rope's cos and sin do not)."""
     make = make or _inputs
     inputs = make(dtype, grad, device=device)
     with torch.set_grad_enabled(grad):
         eager = _run(fn, inputs, grad)
         got = _run(compiled, make(dtype, grad, device=device), grad)
-        exact = _run(fn, [t.detach().double().requires_grad_(grad) if t.is_floating_point() else t
+        exact = _run(fn, [t.detach().double().requires_grad_(t.requires_grad) if t.is_floating_point() else t
                           for t in inputs], grad)
     assert len(got) == len(eager) == len(exact)
     floor = 1e-6 if dtype == torch.float32 else 4e-3
@@ -171,6 +172,8 @@ def test_without_evidence_for_a_kernel_inductor_keeps_the_subgraph():
             with kg.use(force={"rms_norm": "kernelgate_cpu"}):
                 check_against_float64(fn, torch.compile(fn), torch.bfloat16, True)
             assert kc.stats()["rewritten"] == {"rms_norm: hugging face": 1}, kc.stats()
+            served = kc.stats()["served"]
+            assert list(served) and all(k.startswith("rms_norm: kernelgate_cpu (forced") for k in served), served
         finally:
             kc.disable()
             torch._dynamo.reset()
@@ -216,7 +219,142 @@ def test_enable_disable_options_and_a_pass_installed_before():
     with pytest.raises(ValueError, match="mode must be one of evidence, always, got 'sometimes'"):
         kc.enable("sometimes")
     assert {p["op"] for p in kc.patterns()} == {"rms_norm", "add_rms_norm", "layer_norm", "swiglu", "geglu",
-                                                "linear_cross_entropy"}
+                                                "rope", "qk_norm_rope", "linear_cross_entropy"}
+
+
+# ---- rope and qk_norm_rope: Hugging Face's apply_rotary_pos_emb, after Qwen3's q and k norms or not
+
+def _rope_inputs(dtype, grad, device="cpu"):
+    """Grouped-query heads as a projection makes them, [batch, seq, heads, head_dim] (4 query and
+    2 kv heads of 32, 7 positions), q and k norm weights, and cos and sin as a Hugging Face
+    rotary embedding gives them ([1, seq, head_dim], in the model's dtype, no gradient)."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 7, 4, 32, generator=g).to(device, dtype)
+    k = torch.randn(2, 7, 2, 32, generator=g).to(device, dtype)
+    qw = (1 + 0.1 * torch.randn(32, generator=g)).to(device, dtype)
+    kw = (1 + 0.1 * torch.randn(32, generator=g)).to(device, dtype)
+    angle = torch.arange(7.0)[:, None] * 10000 ** (-torch.arange(16.0) / 16)
+    angle = torch.cat((angle, angle), -1)[None]
+    return [t.requires_grad_(grad) for t in (q, k, qw, kw)] + [angle.cos().to(device, dtype), angle.sin().to(device, dtype)]
+
+
+def _both(pair):
+    """q's and k's results as one tensor (the checks take one output)."""
+    return torch.cat((pair[0].flatten(), pair[1].flatten()))
+
+
+def _hf_rope(q, k, cos, sin):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    return apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+
+
+def _rotate_second_first(x):  # rotate-half with its second half sliced first
+    return torch.cat((-x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]), dim=-1)
+
+
+def _rope_with(rotate, q, k, cos, sin):
+    q, k, cos, sin = q.transpose(1, 2), k.transpose(1, 2), cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + rotate(q) * sin, k * cos + rotate(k) * sin
+
+
+ROPE_FORMS = {
+    "rope: hugging face (apply_rotary_pos_emb)": lambda q, k, qw, kw, cos, sin: _both(_hf_rope(q, k, cos, sin)),
+    "rope: rotate-half rope, second half sliced first":
+        lambda q, k, qw, kw, cos, sin: _both(_rope_with(_rotate_second_first, q, k, cos, sin)),
+    "qk_norm_rope: hugging face of q and k, then rotate-half rope, second half sliced first":
+        lambda q, k, qw, kw, cos, sin: _both(_rope_with(_rotate_second_first, hf_rms_norm(q, qw), hf_rms_norm(k, kw),
+                                                        cos, sin)),
+    "qk_norm_rope: hugging face of q and k, then hugging face rope":
+        lambda q, k, qw, kw, cos, sin: _both(_hf_rope(hf_rms_norm(q, qw), hf_rms_norm(k, kw), cos, sin)),
+    "qk_norm_rope: F.rms_norm of q and k, then hugging face rope":
+        lambda q, k, qw, kw, cos, sin: _both(_hf_rope(F.rms_norm(q, (32,), qw, 1e-6), F.rms_norm(k, (32,), kw, 1e-6),
+                                                      cos, sin)),
+}
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["training", "inference"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("form", list(ROPE_FORMS))
+def test_the_rope_patterns_fire_and_compute_what_they_replaced(hook, form, dtype, grad):
+    """Each spelling is rewritten once, into its op. (Which of the op's forms matches can differ
+    from the spelling: the two rotate-half spellings differ only in the order in which autograd
+    sums their gradients, which depends on the graph around them too.)"""
+    fn = ROPE_FORMS[form]
+    check_against_float64(fn, torch.compile(fn), dtype, grad, make=_rope_inputs)
+    _assert_rewritten_once_into_its_op(form, dtype)
+
+
+def _assert_rewritten_once_into_its_op(form, dtype):
+    """One rewrite, into the spelling's op (and for qk_norm_rope, of its norm's spelling: the
+    Hugging Face norm is "hugging face (float32)" in a float32 graph)."""
+    rewritten = kc.stats()["rewritten"]
+    op = form.split(":")[0]
+    assert sum(rewritten.values()) == 1 and all(key.startswith(f"{op}: ") for key in rewritten), kc.stats()
+    if " of q and k" in form:
+        norm = form.split(": ")[1].split(" of q")[0]
+        norm = f"{norm} (float32)" if norm == "hugging face" and dtype == torch.float32 else norm
+        assert all(key.startswith(f"{op}: {norm} of q and k") for key in rewritten), kc.stats()
+
+
+def _rotate_every_two(x):  # GPT-J's interleaved rotation, not rotate-half
+    return torch.stack((-x[..., 1::2], x[..., ::2]), -1).flatten(-2)
+
+
+def _split_elsewhere(x):  # a rotation of another split point
+    return torch.cat((-x[..., 8:], x[..., :8]), dim=-1)
+
+
+def _rope_with(rotate, q, k, cos, sin):
+    q, k, cos, sin = q.transpose(1, 2), k.transpose(1, 2), cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + rotate(q) * sin, k * cos + rotate(k) * sin
+
+
+def _rotation_used_after(q, k, qw, kw, cos, sin):  # an intermediate read outside the rope
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    q, k, cos, sin = q.transpose(1, 2), k.transpose(1, 2), cos.unsqueeze(1), sin.unsqueeze(1)
+    rq = rotate_half(q)
+    return _both((q * cos + rq * sin, k * cos + rotate_half(k) * sin)) + rq.sum()
+
+
+ROPE_NOT_MATCHED = {
+    # (the function, the ops that must not be rewritten)
+    "interleaved rotation": (lambda q, k, qw, kw, cos, sin: _both(_rope_with(_rotate_every_two, q, k, cos, sin)),
+                             {"rope", "qk_norm_rope"}),
+    "another split point": (lambda q, k, qw, kw, cos, sin: _both(_rope_with(_split_elsewhere, q, k, cos, sin)),
+                            {"rope", "qk_norm_rope"}),
+    "cos and sin in float32": (lambda q, k, qw, kw, cos, sin: _both(_hf_rope(q, k, cos.float(), sin.float())),
+                               {"rope", "qk_norm_rope"}),
+    "q's rotation used after": (_rotation_used_after, {"rope", "qk_norm_rope"}),
+    # q and k norms of other eps: not one qk_norm_rope (rope and the norms alone may be rewritten)
+    "q and k norms of other eps": (lambda q, k, qw, kw, cos, sin: _both(_hf_rope(hf_rms_norm(q, qw, 1e-6),
+                                                                                 hf_rms_norm(k, kw, 1e-5), cos, sin)),
+                                   {"qk_norm_rope"}),
+}
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["training", "inference"])
+@pytest.mark.parametrize("case", list(ROPE_NOT_MATCHED))
+def test_the_rope_patterns_do_not_fire_where_they_must_not(hook, case, grad):
+    fn, ops = ROPE_NOT_MATCHED[case]
+    check_against_float64(fn, torch.compile(fn), torch.bfloat16, grad, make=_rope_inputs)
+    rewritten = {key.split(":")[0] for key in kc.stats()["rewritten"]}
+    assert not rewritten & ops, kc.stats()
+
+
+def test_rope_is_not_rewritten_where_cos_and_sin_need_a_gradient(hook):
+    """The op computes no gradient for cos and sin: a rope whose cos and sin are learned stays
+    Inductor's, and their gradients are the eager code's."""
+    def fn(q, k, qw, kw, cos, sin):
+        return _both(_hf_rope(q, k, cos, sin))
+
+    def make(dtype, grad, device="cpu"):
+        inputs = _rope_inputs(dtype, grad, device)
+        return inputs[:4] + [t.requires_grad_(grad) for t in inputs[4:]]
+
+    check_against_float64(fn, torch.compile(fn), torch.float32, True, make=make)
+    assert kc.stats()["rewritten"] == {}, kc.stats()
 
 
 # ---- linear_cross_entropy: a language model's loss, F.cross_entropy(F.linear(h, w).float(), t)
@@ -309,6 +447,23 @@ def test_a_pattern_fires_on_the_gpu_and_runs_a_kernelgate_kernel(hook, form, gra
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("grad", [True, False], ids=["training", "inference"])
+@pytest.mark.parametrize("form", list(ROPE_FORMS))
+def test_the_rope_patterns_fire_on_the_gpu_and_run_a_kernelgate_kernel(hook, form, grad):
+    """rope and qk_norm_rope in bf16 on a GPU: the rewrite fires in the CUDA graph, kernelgate's
+    CUDA kernel runs it, and the result is as close to float64 as the eager code's."""
+    fn = ROPE_FORMS[form]
+    with kg.use(force={form.split(":")[0]: "kernelgate_cuda"}):
+        compiled = torch.compile(fn)
+        check_against_float64(fn, compiled, torch.bfloat16, grad, device="cuda", make=_rope_inputs)
+        inputs = _rope_inputs(torch.bfloat16, grad, "cuda")
+        with torch.set_grad_enabled(grad):
+            launched = _kernelgate_kernels(lambda: _run(compiled, inputs, grad))
+    assert launched, f"no kernelgate CUDA kernel ran in the compiled {form}"
+    _assert_rewritten_once_into_its_op(form, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("grad", [True, False], ids=["training", "inference"])
 def test_the_linear_cross_entropy_pattern_fires_on_the_gpu_and_runs_a_kernelgate_kernel(hook, grad):
     """In bf16 on a GPU: the loss's rewrite fires in the CUDA graph, kernelgate's CUDA kernels run
     it, and loss and gradients are as close to float64 as the eager code's (twice its error)."""
@@ -364,17 +519,22 @@ def _assert_as_close_as_inductor(eager, inductor, hooked, floor):
 # norm's own backward sum, which its pattern does not have: those norms stay Inductor's (the
 # 16-bit models' casts keep the sums apart).
 _ADD = "add_rms_norm: x + residual, then hugging face"
+_ADD32 = "add_rms_norm: x + residual, then hugging face (float32)"
+_ROPE = "rope: hugging face (apply_rotary_pos_emb)"
+_QK = "qk_norm_rope: hugging face{} of q and k, then hugging face rope"
 HF_REWRITES = {
     # 2 layers: the first layer's input norm (of the embeddings), 3 norms of a residual sum used
-    # after, the final norm (its sum is not), 2 MLPs; Qwen3 adds q and k norms over head_dim.
+    # after, the final norm (its sum is not), 2 MLPs, 2 ropes; Qwen3's q and k norms with its
+    # rope are one qk_norm_rope.
     ("llama", torch.bfloat16): {"rms_norm: hugging face": 1, _ADD: 3, f"{_ADD} (the sum not used after)": 1,
-                                "swiglu: F.silu(g) * u": 2},
-    ("qwen3", torch.bfloat16): {"rms_norm: hugging face": 5, _ADD: 3, f"{_ADD} (the sum not used after)": 1,
-                                "swiglu: F.silu(g) * u": 2},
+                                "swiglu: F.silu(g) * u": 2, _ROPE: 2},
+    ("qwen3", torch.bfloat16): {"rms_norm: hugging face": 1, _ADD: 3, f"{_ADD} (the sum not used after)": 1,
+                                "swiglu: F.silu(g) * u": 2, _QK.format(""): 2},
     # float32: the first layer's input norm reads the embeddings, which the residual also reads
-    ("llama", torch.float32): {"add_rms_norm: x + residual, then hugging face (float32)": 3,
-                               "add_rms_norm: x + residual, then hugging face (float32) (the sum not used after)": 1,
-                               "swiglu: F.silu(g) * u": 2},
+    ("llama", torch.float32): {_ADD32: 3, f"{_ADD32} (the sum not used after)": 1, "swiglu: F.silu(g) * u": 2,
+                               _ROPE: 2},
+    ("qwen3", torch.float32): {_ADD32: 3, f"{_ADD32} (the sum not used after)": 1, "swiglu: F.silu(g) * u": 2,
+                               _QK.format(" (float32)"): 2},
 }
 
 
