@@ -291,8 +291,9 @@ def device_gaps(prof, n=15, min_us=5.0):
 
 
 def run_variant(variant, cfg, state, ids, targets, dev, dt, warmup, steps, profile=False,
-                build=None):
-    """One variant's steps: `build(variant)` makes its model (default: this file's Model)."""
+                build=None, hook_mode="evidence"):
+    """One variant's steps: `build(variant)` makes its model (default: this file's Model);
+    compile_hook compiles with the hook in `hook_mode` (kernelgate.compile.MODES)."""
     torch.manual_seed(0)
     model = (build or (lambda v: Model(cfg, make_ops(v))))(variant).to(dev, dt)
     model.load_state_dict(state)
@@ -301,7 +302,7 @@ def run_variant(variant, cfg, state, ids, targets, dev, dt, warmup, steps, profi
         import kernelgate.compile
 
         kernelgate.compile.stats(reset=True)
-        step_fn = torch.compile(model, options=kernelgate.compile.options())
+        step_fn = torch.compile(model, options=kernelgate.compile.options(hook_mode))
     elif variant.endswith("compile"):
         step_fn = torch.compile(model)
     cuda = dev.startswith("cuda")
