@@ -30,6 +30,14 @@ What it rewrites (``patterns()`` lists each with its forms):
   them); rotate_half as Hugging Face writes it or with its second half sliced first;
 * qk_norm_rope — Qwen3's attention: per-head norms (either spelling above) of the projections
   [batch, seq, heads, head_dim], one eps for both, the heads moved first, then that rope;
+* attention — causal softmax attention: ``F.scaled_dot_product_attention(q, k, v, is_causal=True,
+  scale=..., enable_gqa=...)`` (grouped kv heads or as many as the query heads), and Hugging
+  Face's SDPA attention as a compiled model runs it: the kv heads repeated (``repeat_kv``) and a
+  mask tensor instead of ``is_causal``, rewritten only where that mask is computed from
+  constants alone (no padding mask or positions given to the model) and, computed once at
+  compile time, is the causal mask — kg.attention then reads the kv heads unrepeated. No
+  dropout, q and k of one length, and on CUDA sequence lengths whose graphs are those of the
+  traced patterns (a multiple of 16 where ATen's memory-efficient kernel pads its mask);
 * linear_cross_entropy — a language model's loss ``F.cross_entropy(F.linear(h, w).float(), t)``
   (16-bit h and w; in a float32 model without the cast), 2-D h, int64 targets, no bias, the
   defaults of ``F.cross_entropy`` (mean, ignore_index -100, no label smoothing): the logits are
@@ -62,6 +70,7 @@ a norm whose weight or input needs no gradient (the patterns are traced with bot
 """
 
 import collections
+import contextlib
 import functools
 import logging
 import threading
@@ -83,6 +92,7 @@ MODES = ("evidence", "always")
 # A scalar argument of a pattern (eps) is traced with this value, which the matcher then treats
 # as a wildcard: exact in float32 and bfloat16, so a decomposition that rounds it keeps it.
 _EPS = 2.0 ** -17
+_SCALE = 0.3125  # attention's scale, likewise (exact, and no head dim's 1/sqrt)
 
 _lock = threading.Lock()
 _stats = {"rewritten": collections.Counter(), "left": collections.Counter(), "served": collections.Counter()}
@@ -97,7 +107,9 @@ class _Form:
                  dtype: torch.dtype, shapes: Sequence[Sequence[int]], strings: Optional[Dict[str, str]] = None,
                  eps: bool = False, classes: Optional[Dict[str, int]] = None, scalar_float32: bool = False,
                  absent: int = 0, constants: Sequence[str] = (), op_args: Optional[Callable] = None,
-                 any_dtype: bool = False):
+                 any_dtype: bool = False, scale: bool = False, causal_mask: Optional[str] = None,
+                 out_shape: Optional[Callable] = None, cuda_contexts: Optional[Callable] = None,
+                 canonical: bool = False):
         self.op, self.name, self.search, self.replace = op, name, search, replace
         self.args, self.dtype, self.shapes, self.strings, self.eps = list(args), dtype, shapes, strings or {}, eps
         # classes: the int64 class-index arguments (targets), each with the class count it is
@@ -113,10 +125,20 @@ class _Form:
         # any_dtype: the graph has no casts, so one trace matches float32 and 16-bit graphs alike
         # (the matcher refuses a second, identical pattern).
         self.any_dtype = any_dtype
-        # Inductor's own joint-graph passes rewrite some of a loss's graph before kernelgate's pass
-        # sees it (cross_entropy's backward scatter becomes an iota compare): such a form is
-        # traced through those passes too.
-        self.canonical = bool(self.classes)
+        # The scalar arguments the search function takes last, by name, with the values they are
+        # traced with (eps, attention's scale).
+        self.scalars = {**({"eps": _EPS} if eps else {}), **({"scale": _SCALE} if scale else {})}
+        # causal_mask: an argument (a boolean attention mask) that is not the op's: the match
+        # stands only where it provably is the causal mask (_not_causal). out_shape: the first
+        # output's shape from the op's arguments, where it is not the first of them's.
+        self.causal_mask, self.out_shape = causal_mask, out_shape
+        # cuda_contexts(): contexts each of which makes CUDA tracing take another path (SDPA's
+        # kernels), each traced where it takes the example.
+        self.cuda_contexts = cuda_contexts
+        # Inductor's own joint-graph passes rewrite some graphs before kernelgate's pass sees them
+        # (cross_entropy's backward scatter becomes an iota compare, a scalar_tensor a full): such
+        # a form is traced through those passes too.
+        self.canonical = canonical or bool(self.classes)
 
 
 def _hf_rms(x, w, eps):
@@ -260,6 +282,111 @@ def _qk_norm_rope(q, k, qw, kw, cos, sin, eps):
                                              sin.squeeze(1), eps)
 
 
+def _sdpa_causal(q, k, v, scale):
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+
+
+def _repeat_kv(x, n):
+    """Hugging Face's repeat_kv: each kv head repeated for its n query heads."""
+    b, kv_heads, s, d = x.shape
+    return x[:, :, None, :, :].expand(b, kv_heads, n, s, d).reshape(b, kv_heads * n, s, d)
+
+
+def _hf_sdpa_gqa(q, k, v, mask, scale):
+    """Hugging Face's sdpa_attention_forward under torch.compile: the kv heads repeated, and the
+    causal mask as a tensor (the model builds one where it is compiled)."""
+    n = q.shape[1] // k.shape[1]
+    return torch.nn.functional.scaled_dot_product_attention(q, _repeat_kv(k, n), _repeat_kv(v, n), attn_mask=mask,
+                                                            scale=scale)
+
+
+def _hf_sdpa(q, k, v, mask, scale):
+    """The same with as many kv heads as query heads (nothing repeated)."""
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+def _attention(q, k, v, scale=None):
+    """kg.attention, causal: q grouped by kv head as the op takes it (a view); scale None (a
+    graph's SDPA without one) is 1/sqrt(head_dim), the op's 0."""
+    b, heads, s, d = q.shape
+    kv_heads = k.shape[1]
+    o = torch.ops.kernelgate.attention(q.view(b, kv_heads, heads // kv_heads, s, d), k, v, "causal",
+                                       0.0 if scale is None else scale)
+    return o.view(b, heads, s, v.shape[-1])
+
+
+def _attention_masked(q, k, v, mask, scale):
+    return _attention(q, k, v, scale)
+
+
+def _attention_args(ts):
+    """attention's arguments from its search function's: q [batch, heads, seq, head_dim] grouped
+    by kv head (a view), k, v (the mask is not the op's)."""
+    q, k, v = ts[:3]
+    b, heads, s, d = q.shape
+    return [q.view(b, k.shape[1], heads // max(k.shape[1], 1), s, d), k, v]
+
+
+def _attention_out(args):
+    q, _, v = args
+    return (q.shape[0], q.shape[1] * q.shape[2], q.shape[3], v.shape[-1])
+
+
+def _sdpa_kernels():
+    """One context per SDPA kernel ATen has on CUDA: SDPA traced under each."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return [sdpa_kernel([b]) for b in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
+                                       SDPBackend.EFFICIENT_ATTENTION)]
+
+
+def _not_causal(node) -> Optional[str]:
+    """None where the attention mask `node` ([batch or 1, 1, seq, seq], boolean: the patterns
+    are traced with one) is computed from constants alone (no input of the graph:
+    no padding, no positions given) and is the causal mask: key j visible to query i iff j <= i.
+    Checked by computing it, once per node; otherwise why not."""
+    if not isinstance(node, torch.fx.Node):
+        return "an attention mask that is not a tensor"
+    if "kernelgate_not_causal" not in node.meta:
+        node.meta["kernelgate_not_causal"] = _mask_refusal(node)
+    return node.meta["kernelgate_not_causal"]
+
+
+def _mask_refusal(node) -> Optional[str]:
+    val = _val(node)
+    if (not isinstance(val, torch.Tensor) or val.dim() != 4 or val.shape[1] != 1
+            or val.shape[-1] != val.shape[-2]):
+        return "an attention mask not of shape [batch or 1, 1, seq, seq]"
+    if any(isinstance(d, torch.SymInt) for d in val.shape) or val.shape[-1] > 2 ** 14:
+        return "an attention mask of symbolic size, or over 16384 positions (not checked)"
+    order, seen, stack = [], set(), [node]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        target = n.target
+        if n.op != "call_function" or (isinstance(target, torch._ops.OpOverload)
+                                       and torch.Tag.nondeterministic_seeded in target.tags):
+            return ("an attention mask computed from the graph's inputs (padding or positions given) or from random "
+                    "numbers: not provably causal")
+        order.append(n)
+        stack.extend(n.all_input_nodes)
+    index = {n: i for i, n in enumerate(node.graph.nodes)}
+    # Computed for real (the compile traces with fake tensors).
+    with torch._subclasses.fake_tensor.unset_fake_temporarily(), torch.no_grad():
+        env = {}
+        try:
+            for n in sorted(order, key=index.get):
+                env[n] = n.target(*torch.fx.node.map_arg(n.args, env.get), **torch.fx.node.map_arg(n.kwargs, env.get))
+        except Exception as e:  # noqa: BLE001 (any op that does not run outside the compile)
+            return f"an attention mask that could not be computed to check it ({type(e).__name__})"
+        m = env[node]
+        causal = torch.ones(m.shape[-2:], dtype=torch.bool, device=m.device).tril()
+        same = m.dtype == torch.bool and all(bool((m[b, 0] == causal).all()) for b in range(m.shape[0]))
+    return None if same else "an attention mask that is not the causal mask"
+
+
 def _linear_ce_float(h, w, t):
     return torch.nn.functional.cross_entropy(torch.nn.functional.linear(h, w).float(), t)
 
@@ -299,6 +426,23 @@ def _forms() -> List[_Form]:
                          _rope_of(rotate), _rope, ("q", "k", "cos", "sin"), torch.bfloat16,
                          ((2, 4, 8, 16), (2, 2, 8, 16), (1, 1, 8, 16), (1, 1, 8, 16)),
                          constants=("cos", "sin"), op_args=_rope_args, any_dtype=True))
+    # Attention: SDPA causal (the kv heads grouped, or as many as the query heads), and Hugging
+    # Face's form under torch.compile (its kv heads repeated, its causal mask a tensor).
+    qkv = ((2, 4, 16, 16), (2, 2, 16, 16), (2, 2, 16, 16))
+    mha = ((2, 4, 16, 16),) * 3
+    attention = dict(dtype=torch.bfloat16, any_dtype=True, op_args=_attention_args, out_shape=_attention_out,
+                     cuda_contexts=_sdpa_kernels, strings={"mask": "causal"})
+    out += [
+        # (a graph's SDPA without a scale has scale None, which the pattern's scale matches too)
+        _Form("attention", "F.scaled_dot_product_attention(q, k, v, is_causal=True)", _sdpa_causal,
+              _attention, ("q", "k", "v"), shapes=qkv, scale=True, **attention),
+        _Form("attention", "hugging face sdpa (repeat_kv, a causal mask)", _hf_sdpa_gqa, _attention_masked,
+              ("q", "k", "v", "mask"), shapes=(*qkv, (2, 1, 16, 16)), scale=True, causal_mask="mask",
+              constants=("mask",), canonical=True, **attention),
+        _Form("attention", "hugging face sdpa (a causal mask)", _hf_sdpa, _attention_masked,
+              ("q", "k", "v", "mask"), shapes=(*mha, (2, 1, 16, 16)), scale=True, causal_mask="mask",
+              constants=("mask",), canonical=True, **attention),
+    ]
     for dt in (torch.bfloat16, torch.float32):
         hf, add_hf, hf_name = _hugging_face(dt)
         # A residual add feeding a norm first: its pattern holds the rms_norm pattern, and the
@@ -346,9 +490,13 @@ def _val(node):
 
 
 def _examples(form: _Form, grad: bool, device: str) -> list:
-    return [torch.randint(0, form.classes[a], s, device=device) if a in form.classes else
-            torch.randn(*s, dtype=form.dtype, device=device, requires_grad=grad and a not in form.constants)
-            for a, s in zip(form.args, form.shapes)]
+    def example(a, s):
+        if a in form.classes:
+            return torch.randint(0, form.classes[a], s, device=device)
+        if a == form.causal_mask:
+            return torch.ones(s[-2:], dtype=torch.bool, device=device).tril().expand(s)
+        return torch.randn(*s, dtype=form.dtype, device=device, requires_grad=grad and a not in form.constants)
+    return [example(a, s) for a, s in zip(form.args, form.shapes)]
 
 
 def _meta_of(t: torch.Tensor) -> Optional[torch.Tensor]:
@@ -385,7 +533,7 @@ def _refusal(form: _Form, grad: bool, match: pm.Match, decision: dict) -> Option
         return "an input is not a tensor"
     if any(t.dtype != torch.int64 for a, t in zip(form.args, every) if a in form.classes):
         return "class indices that are not int64"
-    tensors = [t for a, t in zip(form.args, every) if a not in form.classes]
+    tensors = [t for a, t in zip(form.args, every) if a not in form.classes and a != form.causal_mask]
     x = tensors[0]
     if any(t.dtype != x.dtype for t in tensors):
         return f"dtypes {[str(t.dtype) for t in tensors]} (the op takes one dtype for all)"
@@ -398,10 +546,18 @@ def _refusal(form: _Form, grad: bool, match: pm.Match, decision: dict) -> Option
     metas = [_meta_of(t) for t in every]
     if any(m is None for m in metas):
         return "symbolic sizes without a hint"
-    metas = form.op_args(metas)
+    if form.causal_mask is not None:
+        why = _not_causal(match.kwargs[form.causal_mask])
+        if why is not None:
+            return why
+    try:
+        metas = form.op_args(metas)
+    except RuntimeError as e:  # a view the op's layout cannot take
+        return f"the op refuses the call: {e}"
     outputs = match.output_nodes()
     out = _val(outputs[0])
-    want = (torch.float32, ()) if form.scalar_float32 else (x.dtype, tuple(metas[0].shape))
+    shape = tuple(form.out_shape(metas) if form.out_shape else metas[0].shape)
+    want = (torch.float32, ()) if form.scalar_float32 else (x.dtype, shape)
     if out is None or (out.dtype, tuple(out.shape)) != want:
         return "its result's dtype or shape differs from the op's (a broadcast or a type promotion)"
     try:
@@ -481,9 +637,18 @@ def _pattern_pass() -> pm.PatternMatcherPass:
             if cuda and _ops_traced(form, grad, trace, "cuda") != _ops_traced(form, grad, trace, "cpu"):
                 devices.append("cuda")
             for device in devices:
-                pm.register_replacement(form.search, form.replace, _examples(form, grad, device), trace,
-                                        passes, extra_check=functools.partial(_check, form, grad),
-                                        scalar_workaround={"eps": _EPS} if form.eps else None)
+                # attention: each SDPA kernel ATen may pick on CUDA is an op of its own in the graph
+                for context in (form.cuda_contexts() if device == "cuda" and form.cuda_contexts else [None]):
+                    try:
+                        with context or contextlib.nullcontext():
+                            pm.register_replacement(form.search, form.replace, _examples(form, grad, device), trace,
+                                                    passes, extra_check=functools.partial(_check, form, grad),
+                                                    scalar_workaround=form.scalars or None,
+                                                    skip_duplicates=context is not None)
+                    except RuntimeError as e:  # that kernel does not take the example
+                        if context is None:
+                            raise
+                        log.debug("kernelgate.compile: %s (%s) not traced under %s: %s", form.op, form.name, context, e)
     for entries in passes.patterns.values():
         for entry in entries:
             if type(entry.pattern) is pm.MultiOutputPattern:
@@ -552,7 +717,7 @@ def _canonical(trace):
 
 def _ops_traced(form: _Form, grad: bool, trace, device: str) -> List[str]:
     """The ATen ops, in order, of a form's graph as `trace` makes it on `device`."""
-    fn = (lambda *t: form.search(*t, _EPS)) if form.eps else form.search
+    fn = (lambda *t: form.search(*t, **form.scalars)) if form.scalars else form.search
     gm = trace(fn, _examples(form, grad, device))
     return [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
 

@@ -13,8 +13,8 @@ REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 # What the hook rewrites in each float32 model, op by op (the first layer's input norm reads the
 # embeddings, which the residual also reads: Inductor's in a float32 model, see test_compile.py).
-OPS = {"llama": {"add_rms_norm", "swiglu", "rope", "linear_cross_entropy"},
-       "qwen3": {"add_rms_norm", "swiglu", "qk_norm_rope", "linear_cross_entropy"}}
+OPS = {"llama": {"add_rms_norm", "swiglu", "rope", "attention", "linear_cross_entropy"},
+       "qwen3": {"add_rms_norm", "swiglu", "qk_norm_rope", "attention", "linear_cross_entropy"}}
 
 
 def test_hf_train_step_script_rewrites_and_agrees_with_eager(tmp_path):

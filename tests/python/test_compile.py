@@ -3,6 +3,8 @@ graphs and computes what the code it replaced computes (against float64, no wors
 eager code's error); it does not fire where it must not; the evidence rule; the interface; and
 the Hugging Face Llama and Qwen3 modeling code, unmodified, with unchanged graph breaks."""
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -219,7 +221,7 @@ def test_enable_disable_options_and_a_pass_installed_before():
     with pytest.raises(ValueError, match="mode must be one of evidence, always, got 'sometimes'"):
         kc.enable("sometimes")
     assert {p["op"] for p in kc.patterns()} == {"rms_norm", "add_rms_norm", "layer_norm", "swiglu", "geglu",
-                                                "rope", "qk_norm_rope", "linear_cross_entropy"}
+                                                "rope", "qk_norm_rope", "attention", "linear_cross_entropy"}
 
 
 # ---- rope and qk_norm_rope: Hugging Face's apply_rotary_pos_emb, after Qwen3's q and k norms or not
@@ -357,6 +359,94 @@ def test_rope_is_not_rewritten_where_cos_and_sin_need_a_gradient(hook):
     assert kc.stats()["rewritten"] == {}, kc.stats()
 
 
+# ---- attention: F.scaled_dot_product_attention, causal, and Hugging Face's form under compile
+
+def _attention_inputs(dtype, grad, device="cpu", seq=13):
+    """q [2, 4, seq, 16] and k, v [2, 2, seq, 16] as attention code makes them (views of [batch,
+    seq, heads, head_dim] projections), and a padding mask (all kept) as a model gets one."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, seq, h, 16, generator=g).to(device, dtype).requires_grad_(grad) for h in (4, 2, 2))
+    return [q, k, v, torch.ones(2, seq, dtype=torch.bool, device=device)]
+
+
+def _heads_first(q, k, v):
+    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+
+def _causal_from_constants(s, device):
+    """A causal mask built inside the compiled code, not given to it."""
+    i = torch.arange(s, device=device)
+    return (i[None, :] <= i[:, None])[None, None]
+
+
+def _sdpa_hf(q, k, v, mask):
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    q, k, v = _heads_first(q, k, v)
+    n = q.shape[1] // k.shape[1]
+    return F.scaled_dot_product_attention(q, repeat_kv(k, n), repeat_kv(v, n), attn_mask=mask, scale=0.3)
+
+
+ATTENTION_FORMS = {
+    # (the function of q, k, v and a padding mask; its form)
+    "SDPA causal, grouped kv heads": (
+        lambda q, k, v, pad: F.scaled_dot_product_attention(*_heads_first(q, k, v), is_causal=True, enable_gqa=True),
+        "attention: F.scaled_dot_product_attention(q, k, v, is_causal=True)"),
+    "SDPA causal, a scale": (
+        lambda q, k, v, pad: F.scaled_dot_product_attention(*_heads_first(q, k, v), is_causal=True, scale=0.2,
+                                                            enable_gqa=True),
+        "attention: F.scaled_dot_product_attention(q, k, v, is_causal=True)"),
+    "kv heads repeated, a causal mask built in the graph": (
+        lambda q, k, v, pad: _sdpa_hf(q, k, v, _causal_from_constants(q.shape[1], q.device)),
+        "attention: hugging face sdpa (repeat_kv, a causal mask)"),
+}
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["training", "inference"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("case", list(ATTENTION_FORMS))
+def test_the_attention_patterns_fire_and_compute_what_they_replaced(hook, case, dtype, grad):
+    fn, form = ATTENTION_FORMS[case]
+    check_against_float64(fn, torch.compile(fn), dtype, grad, make=_attention_inputs)
+    assert kc.stats()["rewritten"] == {form: 1}, kc.stats()
+
+
+def _window(s, device):  # a sliding window of 4: not the causal mask
+    i = torch.arange(s, device=device)
+    return ((i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - 4))[None, None]
+
+
+ATTENTION_NOT_MATCHED = {
+    "not causal": lambda q, k, v, pad: F.scaled_dot_product_attention(*_heads_first(q, k, v), enable_gqa=True),
+    "a sliding-window mask": lambda q, k, v, pad: _sdpa_hf(q, k, v, _window(q.shape[1], q.device)),
+    # the causal mask and a padding mask the model is given: the mask depends on an input
+    "a padding mask": lambda q, k, v, pad: _sdpa_hf(q, k, v, _causal_from_constants(q.shape[1], q.device)
+                                                    & pad[:, None, None, :]),
+    # causal with fewer keys than queries (SDPA aligns the mask top-left; the op takes one length)
+    "k and v shorter than q": lambda q, k, v, pad: F.scaled_dot_product_attention(
+        *_heads_first(q, k[:, :9], v[:, :9]), is_causal=True, enable_gqa=True),
+}
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["training", "inference"])
+@pytest.mark.parametrize("case", list(ATTENTION_NOT_MATCHED))
+def test_the_attention_patterns_do_not_fire_where_they_must_not(hook, case, grad):
+    fn = ATTENTION_NOT_MATCHED[case]
+    check_against_float64(fn, torch.compile(fn), torch.bfloat16, grad, make=_attention_inputs)
+    assert not any(key.startswith("attention:") for key in kc.stats()["rewritten"]), kc.stats()
+
+
+def test_attention_with_dropout_is_not_rewritten(hook):
+    """The op has no dropout: SDPA with dropout_p > 0 stays Inductor's (its values are random, so
+    only the rewrite is checked)."""
+    def fn(q, k, v, pad):
+        return F.scaled_dot_product_attention(*_heads_first(q, k, v), is_causal=True, dropout_p=0.1, enable_gqa=True)
+
+    out = torch.compile(fn)(*_attention_inputs(torch.float32, True))
+    out.sum().backward()
+    assert kc.stats()["rewritten"] == {}, kc.stats()
+
+
 # ---- linear_cross_entropy: a language model's loss, F.cross_entropy(F.linear(h, w).float(), t)
 
 def _lce_inputs(dtype, grad, device="cpu"):
@@ -464,6 +554,22 @@ def test_the_rope_patterns_fire_on_the_gpu_and_run_a_kernelgate_kernel(hook, for
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("grad", [True, False], ids=["training", "inference"])
+@pytest.mark.parametrize("case", list(ATTENTION_FORMS))
+def test_the_attention_patterns_fire_on_the_gpu(hook, case, grad):
+    """In bf16 on a GPU: the rewrite fires in the CUDA graph (each SDPA kernel ATen may pick is a
+    pattern of its own), the dispatcher serves the call, and the result is as close to float64 as
+    the eager code's. (kg.attention's kernels are ATen's: there is no kernelgate kernel to see.)
+    Sequences of 16: the patterns are traced at 16, and ATen's memory-efficient kernel pads a
+    mask whose length is not a multiple of 16, a graph of another shape."""
+    fn, form = ATTENTION_FORMS[case]
+    check_against_float64(fn, torch.compile(fn), torch.bfloat16, grad, device="cuda",
+                          make=functools.partial(_attention_inputs, seq=16))
+    assert kc.stats()["rewritten"] == {form: 1}, kc.stats()
+    assert all(key.startswith("attention: ") for key in kc.stats()["served"]), kc.stats()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("grad", [True, False], ids=["training", "inference"])
 def test_the_linear_cross_entropy_pattern_fires_on_the_gpu_and_runs_a_kernelgate_kernel(hook, grad):
     """In bf16 on a GPU: the loss's rewrite fires in the CUDA graph, kernelgate's CUDA kernels run
     it, and loss and gradients are as close to float64 as the eager code's (twice its error)."""
@@ -522,19 +628,21 @@ _ADD = "add_rms_norm: x + residual, then hugging face"
 _ADD32 = "add_rms_norm: x + residual, then hugging face (float32)"
 _ROPE = "rope: hugging face (apply_rotary_pos_emb)"
 _QK = "qk_norm_rope: hugging face{} of q and k, then hugging face rope"
+_ATTENTION = {"attention: hugging face sdpa (repeat_kv, a causal mask)": 2}
 HF_REWRITES = {
     # 2 layers: the first layer's input norm (of the embeddings), 3 norms of a residual sum used
-    # after, the final norm (its sum is not), 2 MLPs, 2 ropes; Qwen3's q and k norms with its
-    # rope are one qk_norm_rope.
+    # after, the final norm (its sum is not), 2 MLPs, 2 ropes, 2 attentions (their kv heads
+    # repeated, the causal mask the compiled model builds); Qwen3's q and k norms with its rope
+    # are one qk_norm_rope.
     ("llama", torch.bfloat16): {"rms_norm: hugging face": 1, _ADD: 3, f"{_ADD} (the sum not used after)": 1,
-                                "swiglu: F.silu(g) * u": 2, _ROPE: 2},
+                                "swiglu: F.silu(g) * u": 2, _ROPE: 2, **_ATTENTION},
     ("qwen3", torch.bfloat16): {"rms_norm: hugging face": 1, _ADD: 3, f"{_ADD} (the sum not used after)": 1,
-                                "swiglu: F.silu(g) * u": 2, _QK.format(""): 2},
+                                "swiglu: F.silu(g) * u": 2, _QK.format(""): 2, **_ATTENTION},
     # float32: the first layer's input norm reads the embeddings, which the residual also reads
     ("llama", torch.float32): {_ADD32: 3, f"{_ADD32} (the sum not used after)": 1, "swiglu: F.silu(g) * u": 2,
-                               _ROPE: 2},
+                               _ROPE: 2, **_ATTENTION},
     ("qwen3", torch.float32): {_ADD32: 3, f"{_ADD32} (the sum not used after)": 1, "swiglu: F.silu(g) * u": 2,
-                               _QK.format(" (float32)"): 2},
+                               _QK.format(" (float32)"): 2, **_ATTENTION},
 }
 
 
