@@ -26,9 +26,8 @@ import sys
 
 import torch
 
-from bench_train_step import (hook_rewrites, measure_variants, run_variant, step_arguments, step_inputs,
-                              variants_of)
-from common import environment, write_json
+from bench_train_step import hook_rewrites, measure_variants, run_variant, step_arguments, step_inputs, step_setup
+from common import write_json
 
 FULL = dict(layers=8, hidden=2048, heads=16, kv_heads=4, head_dim=128, mlp=5632, vocab=128256, batch=4, seq=2048)
 TINY = dict(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, mlp=96, vocab=200, batch=2, seq=16)
@@ -75,11 +74,7 @@ def main() -> int:
                     help="the compile hook's mode: 'always' rewrites where evidence would not (a check "
                          "of the rewrites on the CPU, which has no evidence)")
     args = ap.parse_args()
-    cfg = TINY if args.tiny else FULL
-    dev = args.device
-    dt = getattr(torch, args.dtype or ("bfloat16" if dev.startswith("cuda") else "float32"))
-    variants = variants_of(args)
-    env = environment("python " + " ".join(sys.argv))
+    cfg, dev, dt, variants, env = step_setup(args, FULL, TINY)
     models = [m for m in args.models.split(",") if m]
     unknown = set(models) - set(MODELS)
     if unknown:

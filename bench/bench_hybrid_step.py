@@ -34,8 +34,8 @@ import torch.nn.functional as F
 
 import kernelgate as kg
 from bench_train_step import (EagerOps, KernelgateOps, LigerOps, measure_variants, run_variant,
-                              step_arguments, step_inputs, variants_of)
-from common import environment, write_json
+                              step_arguments, step_inputs, step_setup)
+from common import write_json
 
 FULL = dict(layers=8, hidden=2048, heads=16, kv_heads=4, head_dim=128, gdn_heads=16, gdn_dim=128,
             conv=4, mlp=5632, vocab=128256, batch=4, seq=2048)
@@ -279,11 +279,7 @@ def main() -> int:
                     help="the gated delta rule of fla_liger: FLA's, or the eager variant's chunked "
                          "one (where FLA refuses its backward); kernelgate's drop-in decides for itself")
     args = ap.parse_args()
-    cfg = TINY if args.tiny else FULL
-    dev = args.device
-    dt = getattr(torch, args.dtype or ("bfloat16" if dev.startswith("cuda") else "float32"))
-    variants = variants_of(args)
-    env = environment("python " + " ".join(sys.argv))
+    cfg, dev, dt, variants, env = step_setup(args, FULL, TINY)
     # the short convs' weights keep their init's scale
     state, ids, targets = step_inputs(lambda c: HybridModel(c, EagerHybrid()), cfg, dev, dt,
                                       keep=lambda name: name.endswith("_conv"))

@@ -459,21 +459,26 @@ def variants_of(args):
     return variants if "eager" in variants else ["eager", *variants]  # eager: agreement's reference
 
 
+def step_setup(args, full, tiny):
+    """From step_arguments' parsed options: the model's sizes (`tiny` with --tiny, else `full`),
+    device, dtype (bfloat16 on CUDA, float32 on the CPU, unless --dtype), the variants (eager
+    first) and the run's environment for the JSON."""
+    dev = args.device
+    dt = getattr(torch, args.dtype or ("bfloat16" if dev.startswith("cuda") else "float32"))
+    return tiny if args.tiny else full, dev, dt, variants_of(args), environment("python " + " ".join(sys.argv))
+
+
 def main() -> int:
     ap = step_arguments("eager,kernelgate,liger,compile,kernelgate_compile,compile_hook")
     ap.add_argument("--evidence", action="append", default=[],
                     help="use these stores as the shipped evidence instead of the package's "
                          "(e.g. a sweep not yet shipped); default: as installed")
     args = ap.parse_args()
-    cfg = TINY if args.tiny else FULL
-    dt = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
-    dev = args.device
-    variants = variants_of(args)
+    cfg, dev, dt, variants, env = step_setup(args, FULL, TINY)
     if args.evidence:
         # as installed, but with these stores in the package's place: no user store
         _C.use_evidence(os.fsencode(os.path.join(tempfile.mkdtemp(), "user.sqlite")),
                         [os.fsencode(p) for p in args.evidence])
-    env = environment("python " + " ".join(sys.argv))
     state, ids, targets = step_inputs(lambda c: Model(c, EagerOps()), cfg, dev, dt)
 
     def record(rows):
