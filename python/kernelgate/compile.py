@@ -96,7 +96,7 @@ _SCALE = 0.3125  # attention's scale, likewise (exact, and no head dim's 1/sqrt)
 
 _lock = threading.Lock()
 _stats = {"rewritten": collections.Counter(), "left": collections.Counter(), "served": collections.Counter()}
-_active = threading.local()  # .mode: the mode of the pass now running on this thread
+_active = threading.local()  # .mode, .ops: the mode and ops of the pass now running on this thread
 
 
 class _Form:
@@ -528,6 +528,8 @@ def _check(form: _Form, grad: bool, match: pm.Match) -> bool:
 def _refusal(form: _Form, grad: bool, match: pm.Match, decision: dict) -> Optional[str]:
     """Why the match is left to Inductor, or None; `decision` gets the dispatcher's explanation
     of the op's call where it got that far."""
+    if _active.ops is not None and form.op not in _active.ops:
+        return "not among the ops this compile rewrites (ops=...)"
     every = [_val(match.kwargs.get(a)) for a in form.args]
     if any(not isinstance(t, torch.Tensor) for t in every):
         return "an input is not a tensor"
@@ -573,13 +575,17 @@ class _Pass(CustomGraphPass):
     """Inductor's joint_custom_post_pass: kernelgate's patterns over the joint (or inference)
     graph, in its own mode; then another custom pass the user had installed, if any."""
 
-    def __init__(self, mode: str, then: Optional[Callable] = None):
+    def __init__(self, mode: str, then: Optional[Callable] = None, ops: Optional[Sequence[str]] = None):
         if mode not in MODES:
             raise ValueError(f"kernelgate.compile: mode must be one of {', '.join(MODES)}, got {mode!r}")
+        known = sorted({f.op for f in _forms()}) if ops is not None else []
+        if ops is not None and (isinstance(ops, str) or any(op not in known for op in ops)):
+            raise ValueError(f"kernelgate.compile: ops must be a list of {', '.join(known)}, got {ops!r}")
         self.mode, self.then = mode, then
+        self.ops = None if ops is None else frozenset(ops)
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        _active.mode = self.mode
+        _active.mode, _active.ops = self.mode, self.ops
         with warnings.catch_warnings():
             # A multi-output pattern whose outputs share a node (add_rms_norm's two input
             # gradients are one tensor) has it replaced once per output: harmless, not the user's.
@@ -593,7 +599,8 @@ class _Pass(CustomGraphPass):
 
     def uuid(self):
         then = self.then.uuid() if isinstance(self.then, CustomGraphPass) else repr(self.then)
-        return (get_hash_for_files((__file__,)), self.mode, _C.generation(), then)
+        return (get_hash_for_files((__file__,)), self.mode, sorted(self.ops or ()), self.ops is None,
+                _C.generation(), then)
 
 
 def _forward_only(fn, args):
@@ -724,16 +731,16 @@ def _ops_traced(form: _Form, grad: bool, trace, device: str) -> List[str]:
 
 # ---- the interface ----------------------------------------------------------------------------
 
-def options(mode: str = "evidence") -> dict:
+def options(mode: str = "evidence", ops: Optional[Sequence[str]] = None) -> dict:
     """Options for one ``torch.compile(..., options=...)``: kernelgate's pass as Inductor's
-    joint_custom_post_pass."""
-    return {"joint_custom_post_pass": _Pass(mode, _installed_other())}
+    joint_custom_post_pass. `ops`: rewrite only these ops (default: every op of ``patterns()``)."""
+    return {"joint_custom_post_pass": _Pass(mode, _installed_other(), ops)}
 
 
-def enable(mode: str = "evidence") -> None:
+def enable(mode: str = "evidence", ops: Optional[Sequence[str]] = None) -> None:
     """Every Inductor compile from here on runs kernelgate's pass (after a joint_custom_post_pass
-    installed before, which it keeps)."""
-    inductor_config.joint_custom_post_pass = _Pass(mode, _installed_other())
+    installed before, which it keeps); `ops` as for ``options``."""
+    inductor_config.joint_custom_post_pass = _Pass(mode, _installed_other(), ops)
 
 
 def disable() -> None:

@@ -447,6 +447,31 @@ def test_attention_with_dropout_is_not_rewritten(hook):
     assert kc.stats()["rewritten"] == {}, kc.stats()
 
 
+def test_ops_limits_what_a_compile_rewrites():
+    """options(ops=[...]) rewrites only those ops; a pattern that holds an excluded op is left
+    and the smaller ones it holds are still rewritten (qk_norm_rope excluded: rope and the norms)."""
+    def fn(x, w, b):
+        return F.silu(hf_rms_norm(x, w)) * x
+
+    with inductor_config.patch(fx_graph_cache=False):
+        torch._dynamo.reset()
+        kc.stats(reset=True)
+        check_against_float64(fn, torch.compile(fn, options=kc.options("always", ops=["swiglu"])), torch.bfloat16, True)
+        assert kc.stats()["rewritten"] == {"swiglu: F.silu(g) * u": 1}, kc.stats()
+        assert any("not among the ops this compile rewrites" in why for why in kc.stats()["left"]), kc.stats()
+        torch._dynamo.reset()
+        kc.stats(reset=True)
+        qk = ROPE_FORMS["qk_norm_rope: hugging face of q and k, then hugging face rope"]
+        opts = kc.options("always", ops=["rope", "rms_norm"])
+        check_against_float64(qk, torch.compile(qk, options=opts), torch.bfloat16, True, make=_rope_inputs)
+        assert {key.split(":")[0] for key in kc.stats()["rewritten"]} == {"rope", "rms_norm"}, kc.stats()
+        torch._dynamo.reset()
+    with pytest.raises(ValueError, match="ops must be a list of .*attention.*, got \\['sdpa'\\]"):
+        kc.options(ops=["sdpa"])
+    with pytest.raises(ValueError, match="ops must be a list of"):
+        kc.enable(ops="swiglu")
+
+
 # ---- linear_cross_entropy: a language model's loss, F.cross_entropy(F.linear(h, w).float(), t)
 
 def _lce_inputs(dtype, grad, device="cpu"):
