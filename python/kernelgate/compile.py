@@ -111,7 +111,7 @@ class _Form:
                  out_shape: Optional[Callable] = None, cuda_contexts: Optional[Callable] = None,
                  canonical: bool = False):
         self.op, self.name, self.search, self.replace = op, name, search, replace
-        self.args, self.dtype, self.shapes, self.strings, self.eps = list(args), dtype, shapes, strings or {}, eps
+        self.args, self.dtype, self.shapes, self.strings = list(args), dtype, shapes, strings or {}
         # classes: the int64 class-index arguments (targets), each with the class count it is
         # traced with. scalar_float32: the result is a float32 scalar (a loss), not a tensor of
         # the first input's shape and dtype.
@@ -249,15 +249,15 @@ def _rope_of(rotate):
     return f
 
 
-def _rope(q, k, cos, sin):
-    return torch.ops.kernelgate.rope(q, k, cos.squeeze(1), sin.squeeze(1))
-
-
 def _rope_args(ts):
     """rope's arguments from its search function's: cos and sin without the heads dim (a 4-D
     cos whose second dim is not 1 stays 4-D, which the op refuses)."""
     q, k, cos, sin = ts
     return [q, k, cos.squeeze(1), sin.squeeze(1)]
+
+
+def _rope(q, k, cos, sin):
+    return torch.ops.kernelgate.rope(*_rope_args((q, k, cos, sin)))
 
 
 def _qk_norm_rope_args(ts):
@@ -278,8 +278,7 @@ def _qk_norm_then_rope(norm, rotate):
 
 
 def _qk_norm_rope(q, k, qw, kw, cos, sin, eps):
-    return torch.ops.kernelgate.qk_norm_rope(q.transpose(1, 2), k.transpose(1, 2), qw, kw, cos.squeeze(1),
-                                             sin.squeeze(1), eps)
+    return torch.ops.kernelgate.qk_norm_rope(*_qk_norm_rope_args((q, k, qw, kw, cos, sin)), eps)
 
 
 def _sdpa_causal(q, k, v, scale):
@@ -305,20 +304,6 @@ def _hf_sdpa(q, k, v, mask, scale):
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
-def _attention(q, k, v, scale=None):
-    """kg.attention, causal: q grouped by kv head as the op takes it (a view); scale None (a
-    graph's SDPA without one) is 1/sqrt(head_dim), the op's 0."""
-    b, heads, s, d = q.shape
-    kv_heads = k.shape[1]
-    o = torch.ops.kernelgate.attention(q.view(b, kv_heads, heads // kv_heads, s, d), k, v, "causal",
-                                       0.0 if scale is None else scale)
-    return o.view(b, heads, s, v.shape[-1])
-
-
-def _attention_masked(q, k, v, mask, scale):
-    return _attention(q, k, v, scale)
-
-
 def _attention_args(ts):
     """attention's arguments from its search function's: q [batch, heads, seq, head_dim] grouped
     by kv head (a view), k, v (the mask is not the op's)."""
@@ -330,6 +315,18 @@ def _attention_args(ts):
 def _attention_out(args):
     q, _, v = args
     return (q.shape[0], q.shape[1] * q.shape[2], q.shape[3], v.shape[-1])
+
+
+def _attention(q, k, v, scale=None):
+    """kg.attention, causal, on _attention_args; scale None (a graph's SDPA without one) is
+    1/sqrt(head_dim), the op's 0."""
+    args = _attention_args((q, k, v))
+    o = torch.ops.kernelgate.attention(*args, "causal", 0.0 if scale is None else scale)
+    return o.view(_attention_out(args))
+
+
+def _attention_masked(q, k, v, mask, scale):
+    return _attention(q, k, v, scale)
 
 
 def _sdpa_kernels():
