@@ -63,10 +63,16 @@ store::Fingerprint for_backend(store::Fingerprint f, const BackendDesc& b) {
 
 }  // namespace
 
+// An op defined from Python has no stems: its own code is hashed into contract.source_hash (its
+// reference and declaration); its cases are still made and judged by the shared harness files.
 std::vector<std::string> op_source_files(const std::string& op) {
   const OpEntry* e = Dispatcher::get().find_op(op);
-  if (e == nullptr || !e->contract.source_hash.empty()) return {};
-  const auto stems = split_commas(e->contract.source_stem.empty() ? op : e->contract.source_stem);
+  if (e == nullptr) return {};
+  const bool from_python = !e->contract.source_hash.empty();
+  const auto stems = from_python ? std::vector<std::string>{}
+                                 : split_commas(e->contract.source_stem.empty()
+                                                    ? op
+                                                    : e->contract.source_stem);
   std::vector<std::string> files;
   for (const auto& entry : kernelgate_file_hashes) {
     const std::string path = entry[0];
@@ -82,10 +88,11 @@ std::vector<std::string> op_source_files(const std::string& op) {
 std::string op_source_hash(const std::string& op) {
   const OpEntry* e = op.empty() ? nullptr : Dispatcher::get().find_op(op);
   if (e == nullptr) return KERNELGATE_SOURCE_HASH;
-  if (!e->contract.source_hash.empty()) return e->contract.source_hash;  // defined from Python
   std::map<std::string, std::string> hash_of;
   for (const auto& entry : kernelgate_file_hashes) hash_of[entry[0]] = entry[1];
-  std::string combined;
+  // Defined from Python: its reference's and declaration's hash, then the shared files'.
+  std::string combined =
+      e->contract.source_hash.empty() ? "" : "python=" + e->contract.source_hash + ";";
   for (const auto& path : op_source_files(op)) combined += path + "=" + hash_of[path] + ";";
   return store::fnv1a64_hex(combined);
 }

@@ -60,6 +60,18 @@ def test_each_op_hash_covers_its_stems_and_the_shared_computing_files(op, own):
     assert not any(f.startswith(("src/core/", "include/", "src/store/", "src/python/")) for f in files)
 
 
+def test_an_op_defined_from_python_is_hashed_with_the_shared_harness_files():
+    # Its cases are made and judged by the same harness as the built-in ops': a change there
+    # makes its evidence stale too. Its own part is its reference's and declaration's hash.
+    import pyops_example  # noqa: F401  (defines softcap)
+
+    assert set(_C.op_source_files("softcap")) == SHARED
+    own = _C.fingerprint("softcap")["source_hash"]
+    assert len(own) == 16
+    others = {_C.fingerprint(o["name"])["source_hash"] for o in kg.ops() if o["name"] != "softcap"}
+    assert own not in others
+
+
 def test_every_op_has_a_hash_of_its_own_files():
     for info in kg.ops():
         if info["defined_in_python"]:
