@@ -104,9 +104,11 @@ def test_a_cached_result_is_impossibly_fast_against_the_matrix_flops(tmp_path):
                time_shapes=[{"rows": 256, "hidden": 256, "classes": 4096}], root=root)
     t = loop.try_("lce", root=root)
     assert t["disposition"] == "cheat" and "matrix FLOPs" in t["reason"], t
-    caught = [c for c in t["timing"]["cases"] if c["median_us"][loop.CANDIDATE] < loop.IMPOSSIBLE * c["flop_us"]]
+    caught = [c for c in t["timing"]["cases"]
+              if c["fastest_us"][loop.CANDIDATE] < loop.IMPOSSIBLE * c["flop_fastest_us"]]
     assert caught and all(c["matrix_flops"] >= 2 * 256 * 256 * 4096 for c in caught)
-    assert all(c["flop_us"] > c["copy_us"] and c["limit_us"] == c["flop_us"] for c in caught)  # FLOPs bind
+    assert all(c["flop_fastest_us"] > c["copy_fastest_us"] and c["floor_us"] == c["flop_fastest_us"]
+               for c in caught)  # FLOPs bind
     # (Whether the candidate also ran under 0.8x the copy of its bytes is a timing on a shared CPU,
     # which moves with the machine's load: not asserted.)
 
