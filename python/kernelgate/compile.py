@@ -522,6 +522,21 @@ def _check(form: _Form, grad: bool, match: pm.Match) -> bool:
     return why is None
 
 
+def _unsafe_in_a_graph(op: str, grad: bool, decision: dict) -> Optional[str]:
+    """Why a training call the dispatcher would serve with `decision["backend"]` must not be
+    rewritten into a compiled graph, or None. ATen caches cuDNN's compiled attention backward by
+    the sizes and strides of q, k and v alone, with those of o, the output gradient and the
+    log-sum-exp built in; in a compiled graph the output gradient comes in the layout the graph
+    gives it, which need not be the one another SDPA call of the program compiled the cached
+    graph with, and the second call then reads it in the first's layout. On the H100 the step
+    benchmark's compile_hook variant, attention served by aten_cudnn after the process's eager and
+    compiled SDPA had run, had a gradient 173% off (docs/evidence.md)."""
+    if op == "attention" and grad and decision.get("backend") == "aten_cudnn":
+        return ("the backend that would serve it is aten_cudnn, whose backward ATen caches by q, k and v "
+                "alone: in a compiled graph it can read the output gradient in another SDPA call's layout")
+    return None
+
+
 def _refusal(form: _Form, grad: bool, match: pm.Match, decision: dict) -> Optional[str]:
     """Why the match is left to Inductor, or None; `decision` gets the dispatcher's explanation
     of the op's call where it got that far."""
@@ -563,6 +578,9 @@ def _refusal(form: _Form, grad: bool, match: pm.Match, decision: dict) -> Option
         decision.update(_C.explain(form.op, metas + [None] * form.absent, grad, dict(form.strings), str(x.device)))
     except RuntimeError as e:
         return f"the op refuses the call: {e}"
+    why = _unsafe_in_a_graph(form.op, grad, decision)
+    if why is not None:
+        return why
     if _active.mode == "evidence":
         return kernel_serves(decision)
     return None

@@ -5,7 +5,7 @@
 // attention code is a view of it, which kg.attention takes; k and v are [batch, kv_heads, seq,
 // head_dim]. scale 0 means 1 / sqrt(head_dim). Contract, reference and backends (reference,
 // eager: PyTorch's scaled_dot_product_attention; aten_flash, aten_cudnn, aten_efficient: ATen's
-// fused attention kernels, flash's and efficient's with their own backwards, cuDNN's forward only).
+// fused attention kernels, each with its own backward).
 //
 // Gradients at non-finite inputs. A query row whose scores are not all finite (a NaN or an Inf
 // in q or k: its log-sum-exp is not finite) makes every gradient of its kv head NaN: dq of the
@@ -305,6 +305,8 @@ Tensor no_tensor() { return Tensor(); }
 // The dropout RNG state the backward kernels take: without dropout ATen's forwards return
 // empty CPU scalars, and the backwards do not read them.
 Tensor no_rng() { return at::zeros({}, at::dtype(at::kLong)); }
+// cuDNN's backward checks that they are on q's device.
+Tensor cudnn_rng(const Tensor& q) { return at::zeros({}, q.options().dtype(at::kLong)); }
 
 // flash: grouped heads natively (the kernel maps query head h to kv head h / group).
 Outs flash_fwd(const Tensor& q, const Tensor& k, const Tensor& v, c10::string_view mask,
@@ -330,25 +332,59 @@ Grads flash_bwd(const Tensor& dout, const Tensor& q, const Tensor& k, const Tens
   return g;
 }
 
-// cuDNN: a forward only, serving calls that need no gradient. ATen caches cuDNN's compiled
-// attention backward by the sizes and strides of q, k and v alone (ATen's native/cudnn/MHA.cpp);
-// the strides of o, the output gradient and the log-sum-exp are built into the compiled graph.
-// Two backward calls in one process on q, k, v of the same strides whose output gradients are
-// laid out differently share one graph, and the second reads its operands with the first's
-// strides: wrong gradients, silently (PyTorch alone: scripts/cudnn_graph_cache_check.py). Handing
-// cuDNN the output gradient exactly as SDPA's eager autograd does was not enough: no layout
-// kernelgate chooses avoids it, since the program's other SDPA calls (eager, or compiled by
-// Inductor) choose theirs. On the H100 a training step compiled with kernelgate's hook, attention
-// served here after the same process's SDPA had run, had a gradient 173% off, as a dout re-laid
-// in o's order did after SDPA on the H200. The forward is safe: ATen allocates o itself, in a
-// layout fixed by q's, and this backend asks for no log-sum-exp.
+// The cuDNN kernel's log-sum-exp has a trailing unit dim in some PyTorch releases: its forward
+// says which, its backward gets it back in that form.
+std::atomic<int> g_cudnn_lse_rank{4};
+// t with exactly these strides and a 16-byte aligned data pointer (a copy where it is not so).
+Tensor with_strides(const Tensor& t, const std::vector<int64_t>& strides) {
+  const bool aligned = reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
+  if (aligned && t.strides() == at::IntArrayRef(strides)) return t;
+  return at::empty_strided(t.sizes(), strides, t.options()).copy_(t);
+}
+
 Outs cudnn_fwd(const Tensor& q, const Tensor& k, const Tensor& v, c10::string_view mask,
-               double scale, GradRequest) {
+               double scale, GradRequest need) {
   // Grouped heads natively (kv head h / group serves query head h), as SDPA's GQA calls it.
-  auto r = at::_scaled_dot_product_cudnn_attention(
-      unit_last(heads_view(q)), unit_last(k), unit_last(v), std::nullopt, false, 0.0,
-      parse_mask(mask), false, sdpa_scale(q, scale));
-  return {grouped(std::get<0>(r), q), Tensor()};
+  Tensor q4 = unit_last(heads_view(q));
+  auto r = at::_scaled_dot_product_cudnn_attention(q4, unit_last(k), unit_last(v), std::nullopt,
+                                                   need.any(), 0.0, parse_mask(mask), false,
+                                                   sdpa_scale(q, scale));
+  Tensor lse;
+  if (need.any()) {
+    g_cudnn_lse_rank.store(static_cast<int>(std::get<1>(r).dim()), std::memory_order_relaxed);
+    lse = grouped_lse(std::get<1>(r), q);
+  }
+  return {grouped(std::get<0>(r), q), lse};
+}
+
+Grads cudnn_bwd(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                const Tensor& o, const Tensor& lse, c10::string_view mask, double scale,
+                GradRequest) {
+  const int64_t n = q.size(3);
+  const Tensor rng = cudnn_rng(q);
+  // ATen caches cuDNN's compiled backward by the sizes and strides of q, k and v alone, and the
+  // strides of o, dout and the log-sum-exp are built into it: after an SDPA call elsewhere in the
+  // program on q, k, v of these strides, ours runs SDPA's graph (in a training step of the H200,
+  // a dout re-laid in o's order was read in SDPA's: dq 173% off). So o, dout and the log-sum-exp
+  // go in exactly as SDPA's autograd hands them over for the same call: o as cuDNN's forward laid
+  // it out (at::empty_like(q), so in_layout_of), dout as it comes (re-laid in o's order only where
+  // its last stride is not 1, as SDPA does), the log-sum-exp dense as the forward gave it (torch
+  // 2.11 for either q layout: bench/results/h200/cudnn_attention_check.json); a graph compiled by
+  // either call reads the other's operands alike. (dout's data pointer aligned, strides kept: a q
+  // one element into its storage gave a wrong dq on the H200.)
+  Tensor q4 = unit_last(heads_view(q));
+  Tensor o4 = in_layout_of(heads_view(o), q4);
+  Tensor do4 = heads_view(dout);
+  do4 = with_strides(do4, do4.stride(-1) == 1 && do4.is_non_overlapping_and_dense() ? do4.strides().vec()
+                                                                                     : o4.strides().vec());
+  Tensor l = heads_lse(lse, q);
+  if (g_cudnn_lse_rank.load(std::memory_order_relaxed) == 4) l = l.unsqueeze(-1);
+  auto r = at::_scaled_dot_product_cudnn_attention_backward(
+      do4, q4, unit_last(k), unit_last(v), o4, l,
+      rng, rng, no_tensor(), no_tensor(), no_tensor(), n, n, 0.0, parse_mask(mask), sdpa_scale(q, scale));
+  Grads g{grouped(std::get<0>(r), q), in_layout_of(std::get<1>(r), k), in_layout_of(std::get<2>(r), v)};
+  poison(g, bad_heads(lse));
+  return g;
 }
 
 // The memory-efficient kernel pads its log-sum-exp to a multiple of 32 queries in the PyTorch
@@ -451,7 +487,7 @@ const OpId kAttention =
         .backend("aten_flash", BackendKind::kVendor, flash_fwd, flash_bwd,
                  [](const CallView& call) { return fused_can_implement(call, true, 256); },
                  cuda_available)
-        .backend("aten_cudnn", BackendKind::kVendor, cudnn_fwd, nullptr,
+        .backend("aten_cudnn", BackendKind::kVendor, cudnn_fwd, cudnn_bwd,
                  [](const CallView& call) {
                    const Support s = fused_can_implement(call, true, 128);
                    if (s.ok && call.tensors[0]->size(3) == 1) {

@@ -103,6 +103,7 @@ _ATTENTION_ONE_HOT = (
 
 KNOWN_INCORRECT = {
     ("attention", "aten_flash"): _ATTENTION_ONE_HOT,
+    ("attention", "aten_cudnn"): _ATTENTION_ONE_HOT,
     ("attention", "aten_efficient"): _either(_ATTENTION_ONE_HOT, (
         lambda f: ON_GPU and f["dtype"] == "float32" and (f["grad"] == "1" or f["regime"] == "special"),
         "the memory-efficient kernel in float32: a query row whose visible scores are all -inf "
@@ -191,9 +192,7 @@ KNOWN_INCORRECT.update({
 FORWARD_ONLY = {
     "cpu": {("rms_norm", "aten"): "ATen's fused rms_norm backward exists only for CUDA",
             ("layer_norm", "aten"): "ATen's CPU layer norm keeps its statistics in x's dtype"},
-    "cuda": {("gated_delta_rule", "fla_fused_recurrent"): "FLA's fused-recurrent kernel has no backward of ours",
-             # ATen caches cuDNN's attention backward by q, k and v alone (src/ops/attention.cpp).
-             ("attention", "aten_cudnn"): "forward only (no backward)"},
+    "cuda": {("gated_delta_rule", "fla_fused_recurrent"): "FLA's fused-recurrent kernel has no backward of ours"},
 }
 
 # Ops whose backward does not keep every input, so that double backward cannot differentiate the
@@ -598,7 +597,7 @@ def check_compile(op, device):
         named = backends(op, device) if grad else ["reference", *no_grad_only]
         served = [b for b in named if serves(op, b, args) and not (grad and (op, b) in fwd_only)]
         for backend in set(named) - set(served):
-            if (op, backend) in fwd_only and grad:
+            if (op, backend) in fwd_only:
                 continue
             library = any((b.op, b.name) == (op, backend) for b in kg.backends.BACKENDS)
             assert library or (op, backend) in NARROW_BUILTINS, f"{backend} does not serve {cid}"
@@ -606,12 +605,10 @@ def check_compile(op, device):
         assert "reference" in served, (cid, served)
         compile_and_compare(op, cid, enc, device, served, grad)
     # A library backend that implements one form only (kernel-fun's causal_conv1d: silu without a
-    # bias, 16-bit dtypes): compiled on the first contiguous case of the grid it serves (without
-    # gradients for a forward-only one).
+    # bias, 16-bit dtypes): compiled on the first contiguous case of the grid it serves.
     for backend in elsewhere:
-        grad = (op, backend) not in fwd_only
-        cid, enc = integration_cases(op, backend, device, grad=grad, layout="contiguous")[0]
-        compile_and_compare(op, cid, enc, device, [backend], grad)
+        cid, enc = integration_cases(op, backend, device, grad=True, layout="contiguous")[0]
+        compile_and_compare(op, cid, enc, device, [backend], True)
 
 
 def compile_and_compare(op, cid, enc, device, names, grad):
