@@ -8,6 +8,7 @@ at non-finite inputs (NaN over the whole kv head of a non-finite query row, the 
 backend, forward untouched); clear errors."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -198,6 +199,9 @@ def test_bad_input_errors():
         kg.attention(q, torch.randn(1, 3, 8, 16, dtype=q.dtype), torch.randn(1, 3, 8, 16))
     with pytest.raises(ValueError, match=r"scale must be a non-zero number, or None .* got 0"):
         kg.attention(q, k, v, scale=0)
+    for causal in ("none", "causal", 0, None):  # the op's mask string, a number: not a bool
+        with pytest.raises(ValueError, match=rf"kg.attention: causal must be True or False, got {re.escape(repr(causal))}"):
+            kg.attention(q, k, v, causal=causal)
     with pytest.raises(RuntimeError, match=r"q must be a floating-point tensor of dtype float32, float16 or "
                        r"bfloat16, got float64"):
         kg.attention(q.double(), k.double(), v.double())
