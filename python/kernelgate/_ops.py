@@ -168,7 +168,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     if kv_heads == 0 or heads % kv_heads != 0:
         raise ValueError(f"kg.attention: q's heads must be a multiple of k's kv_heads (grouped-query "
                          f"attention), got q of shape {tuple(q.shape)} and k of shape {tuple(k.shape)}")
-    if not isinstance(causal, bool):  # "none" or 0.0 would otherwise mask as causal, silently
+    if not isinstance(causal, bool):  # causal="none" would otherwise mask as causal, silently
         raise ValueError(f"kg.attention: causal must be True or False, got {causal!r}")
     if scale is not None and (not isinstance(scale, (int, float)) or isinstance(scale, bool) or scale == 0):
         raise ValueError(f"kg.attention: scale must be a non-zero number, or None for 1 / sqrt(head_dim); got {scale!r}")
