@@ -522,7 +522,16 @@ def _check(form: _Form, grad: bool, match: pm.Match) -> bool:
     return why is None
 
 
-def _unsafe_in_a_graph(op: str, grad: bool, decision: dict) -> Optional[str]:
+def _sdpa_may_pick_cudnn(device: torch.device) -> bool:
+    """Whether PyTorch's own scaled_dot_product_attention may run cuDNN's kernels on `device`
+    (its cuDNN backend enabled, a Hopper or later GPU, where SDPA ranks it first)."""
+    if device.type != "cuda" or not torch.backends.cuda.cudnn_sdp_enabled():
+        return False
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+def _unsafe_in_a_graph(op: str, grad: bool, decision: dict, device: torch.device) -> Optional[str]:
     """Why a training call the dispatcher would serve with `decision["backend"]` must not be
     rewritten into a compiled graph, or None. ATen caches cuDNN's compiled attention backward by
     the sizes and strides of q, k and v alone, with those of o, the output gradient and the
@@ -530,10 +539,19 @@ def _unsafe_in_a_graph(op: str, grad: bool, decision: dict) -> Optional[str]:
     gives it, which need not be the one another SDPA call of the program compiled the cached
     graph with, and the second call then reads it in the first's layout. On the H100 the step
     benchmark's compile_hook variant, attention served by aten_cudnn after the process's eager and
-    compiled SDPA had run, had a gradient 173% off (docs/evidence.md)."""
-    if op == "attention" and grad and decision.get("backend") == "aten_cudnn":
+    compiled SDPA had run, had a gradient 173% off (docs/evidence.md). The eager backend is
+    PyTorch's SDPA, which runs those cuDNN kernels wherever it picks them: on the H100 the Hugging
+    Face Llama and Qwen3 training steps, attention served by eager after other SDPA calls of the
+    same q, k and v sizes in the process, had their embeddings' gradient 76% and 102% off."""
+    if op != "attention" or not grad:
+        return None
+    if decision.get("backend") == "aten_cudnn":
         return ("the backend that would serve it is aten_cudnn, whose backward ATen caches by q, k and v "
                 "alone: in a compiled graph it can read the output gradient in another SDPA call's layout")
+    if decision.get("backend") == "eager" and _sdpa_may_pick_cudnn(device):
+        return ("the backend that would serve it is eager, PyTorch's SDPA, which runs cuDNN's attention on "
+                "this GPU, whose backward ATen caches by q, k and v alone: in a compiled graph it can read "
+                "the output gradient in another SDPA call's layout")
     return None
 
 
@@ -578,7 +596,7 @@ def _refusal(form: _Form, grad: bool, match: pm.Match, decision: dict) -> Option
         decision.update(_C.explain(form.op, metas + [None] * form.absent, grad, dict(form.strings), str(x.device)))
     except RuntimeError as e:
         return f"the op refuses the call: {e}"
-    why = _unsafe_in_a_graph(form.op, grad, decision)
+    why = _unsafe_in_a_graph(form.op, grad, decision, x.device)
     if why is not None:
         return why
     if _active.mode == "evidence":

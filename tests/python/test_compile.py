@@ -447,16 +447,27 @@ def test_attention_with_dropout_is_not_rewritten(hook):
     assert kc.stats()["rewritten"] == {}, kc.stats()
 
 
-def test_the_hook_leaves_training_attention_that_cudnn_would_serve():
+def test_the_hook_leaves_training_attention_that_cudnn_would_serve(monkeypatch):
     """The rule the GPU test below exercises: a training attention call the dispatcher would serve
-    with aten_cudnn is not rewritten (ATen caches cuDNN's backward by q, k and v alone); its
-    inference calls, other backends and other ops are."""
-    why = kc._unsafe_in_a_graph("attention", True, {"backend": "aten_cudnn"})
+    with aten_cudnn, or with eager (PyTorch's SDPA) on a GPU where SDPA runs cuDNN, is not
+    rewritten (ATen caches cuDNN's backward by q, k and v alone); its inference calls, other
+    backends, other GPUs and other ops are."""
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    why = kc._unsafe_in_a_graph("attention", True, {"backend": "aten_cudnn"}, gpu)
     assert why is not None and "aten_cudnn" in why and "by q, k and v alone" in why
-    assert kc._unsafe_in_a_graph("attention", False, {"backend": "aten_cudnn"}) is None
-    for backend in ("aten_flash", "aten_efficient", "reference", "eager"):
-        assert kc._unsafe_in_a_graph("attention", True, {"backend": backend}) is None
-    assert kc._unsafe_in_a_graph("rms_norm", True, {"backend": "aten_cudnn"}) is None
+    assert kc._unsafe_in_a_graph("attention", False, {"backend": "aten_cudnn"}, gpu) is None
+    assert kc._unsafe_in_a_graph("attention", True, {"backend": "eager"}, cpu) is None
+    assert kc._unsafe_in_a_graph("rms_norm", True, {"backend": "aten_cudnn"}, gpu) is None
+    monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: True)
+    for capability, eager_unsafe in (((9, 0), True), ((10, 0), True), ((8, 0), False)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None, c=capability: c)
+        why = kc._unsafe_in_a_graph("attention", True, {"backend": "eager"}, gpu)
+        assert (why is not None and "PyTorch's SDPA" in why) is eager_unsafe, (capability, why)
+        assert kc._unsafe_in_a_graph("attention", False, {"backend": "eager"}, gpu) is None
+        for backend in ("aten_flash", "aten_efficient", "reference"):
+            assert kc._unsafe_in_a_graph("attention", True, {"backend": backend}, gpu) is None
+    monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: False)  # the user turned it off
+    assert kc._unsafe_in_a_graph("attention", True, {"backend": "eager"}, gpu) is None
 
 
 def test_ops_limits_what_a_compile_rewrites():
@@ -599,8 +610,9 @@ def test_the_attention_patterns_fire_on_the_gpu(hook, case, grad):
     Sequences of 16: the patterns are traced at 16, and ATen's memory-efficient kernel pads a
     mask whose length is not a multiple of 16, a graph of another shape."""
     fn, form = ATTENTION_FORMS[case]
-    # aten_cudnn's training calls stay Inductor's (the next test): the rest of the ranking serves.
-    with kg.use(exclude={"attention": "aten_cudnn"}):
+    # Training calls that cuDNN would run (aten_cudnn, or eager: PyTorch's SDPA, which runs cuDNN
+    # on Hopper) stay Inductor's (the next test): the rest of the ranking serves.
+    with kg.use(exclude={"attention": ["aten_cudnn", "eager"]}):
         check_against_float64(fn, torch.compile(fn), torch.bfloat16, grad, device="cuda",
                               make=functools.partial(_attention_inputs, seq=16))
     assert kc.stats()["rewritten"] == {form: 1}, kc.stats()
@@ -743,7 +755,9 @@ def test_hugging_face_models_train_with_the_hook(name, dtype):
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
 def test_hugging_face_models_train_with_the_hook_on_the_gpu(name):
     """The transformers modeling code in bf16 on a GPU, compiled with the hook (kernelgate's CUDA
-    kernels forced where the evidence has no tiny shapes): the rewrites the CPU run makes, the
+    kernels forced where the evidence has no tiny shapes): the rewrites the CPU run makes (but
+    attention's where PyTorch's SDPA, which serves it, runs cuDNN: the rule of
+    test_a_training_attention_cudnn_would_serve_stays_inductors_on_the_gpu), the
     same graphs and graph breaks as Inductor alone, kernelgate kernels in the step, and loss and
     gradients as close to the uncompiled model's as Inductor alone is (twice, or bf16 rounding)."""
     dtype = torch.bfloat16
@@ -753,7 +767,13 @@ def test_hugging_face_models_train_with_the_hook_on_the_gpu(name):
     with kg.use(force="kernelgate_cuda"):
         ((loss_i, grads_i), graphs_i, breaks_i), ((loss_k, grads_k), graphs_k, breaks_k), launched = \
             _compiled_without_and_with_the_hook(model, ids, launched=True)
-    assert kc.stats()["rewritten"] == HF_REWRITES[name, dtype], kc.stats()
+    want = dict(HF_REWRITES[name, dtype])
+    if kc._sdpa_may_pick_cudnn(ids.device):  # attention, served by eager (SDPA, cuDNN here), stays Inductor's
+        for form in _ATTENTION:
+            del want[form]
+        # each layer's (2), once for every attention form that matched it
+        assert sum(n for why, n in kc.stats()["left"].items() if "PyTorch's SDPA" in why) >= 2, kc.stats()
+    assert kc.stats()["rewritten"] == want, kc.stats()
     assert (graphs_k, breaks_k) == (graphs_i, breaks_i)
     assert launched, "no kernelgate CUDA kernel ran in the compiled step"
     _assert_as_close_as_inductor((loss0, grads0), (loss_i, grads_i), (loss_k, grads_k), 2e-2)
