@@ -220,7 +220,8 @@ _GDR_KEYWORDS = ("use_gate_in_kernel", "A_log", "dt_bias")  # read from FLA's **
 
 def _fla_refuses_gated_backward(device: torch.device) -> bool:
     """FLA's own guard (fla-core 0.6): its gated chunk backward raises on Hopper with Triton >= 3.4
-    and < 3.7.1, naming a wrong result of chunk_bwd_dqkwg there."""
+    and < 3.7.1, naming a wrong result of chunk_bwd_dqkwg there, unless FLA's tilelang backend
+    (the `tilelang` package with a usable nvcc) takes that kernel's place."""
     return device.type == "cuda" and _fla_refuses_on_cuda(torch.cuda.current_device() if device.index is None
                                                           else device.index)
 
@@ -237,7 +238,22 @@ def _fla_refuses_on_cuda(index: int) -> bool:
         v = release(importlib.metadata.version("triton"))
     except importlib.metadata.PackageNotFoundError:
         return False
-    return torch.cuda.get_device_capability(index) == (9, 0) and (3, 4) <= v < (3, 7, 1)
+    guarded = torch.cuda.get_device_capability(index) == (9, 0) and (3, 4) <= v < (3, 7, 1)
+    return guarded and not _fla_tilelang_serves_dqkwg()
+
+
+def _fla_tilelang_serves_dqkwg() -> bool:
+    """Whether FLA dispatches its gated chunk_bwd_dqkwg to its tilelang backend (registered for
+    its 'common' ops: available where tilelang imports and nvcc works, enabled by default on Hopper
+    unless FLA_TILELANG=0), the way FLA's own dispatch decides it. An FLA without that registry
+    refuses."""
+    try:
+        from fla.backends import _load_operation_registry
+
+        backend = _load_operation_registry("common")._backends.get("tilelang")
+        return backend is not None and backend.is_available() and backend.is_enabled()
+    except Exception:  # noqa: BLE001 - an FLA of another layout: its own guard stands
+        return False
 
 
 def _gdr_refusal(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,

@@ -296,6 +296,33 @@ def test_a_right_cu_seqlens_passes_the_check(offsets):
         assert kfla._check_cu_seqlens(x, t, t.clone(), "causal_conv1d") is None
 
 
+@pytest.mark.parametrize("tilelang", [False, True])
+def test_flas_gated_backward_refusal_is_lifted_by_its_tilelang_backend(monkeypatch, tilelang):
+    """On Hopper with Triton 3.4 to 3.7.0 FLA refuses its gated chunk backward unless its tilelang
+    backend serves chunk_bwd_dqkwg; the drop-in and the fla_chunk adapter read the same."""
+    pytest.importorskip("fla")
+    import importlib.metadata
+
+    from fla.backends import _load_operation_registry
+
+    backend = _load_operation_registry("common")._backends["tilelang"]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    real_version = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda p: "3.6.0" if p == "triton" else real_version(p))
+    monkeypatch.setattr(type(backend), "is_available", classmethod(lambda cls: tilelang))
+    monkeypatch.setattr(backend, "is_enabled", lambda: True)
+    kfla._fla_refuses_on_cuda.cache_clear()
+    try:
+        assert kfla._fla_tilelang_serves_dqkwg() is tilelang
+        assert kfla._fla_refuses_gated_backward(torch.device("cuda", 0)) is not tilelang
+        monkeypatch.setattr(backend, "is_enabled", lambda: False)  # FLA_TILELANG=0
+        kfla._fla_refuses_on_cuda.cache_clear()
+        assert kfla._fla_refuses_gated_backward(torch.device("cuda", 0))
+    finally:
+        monkeypatch.undo()
+        kfla._fla_refuses_on_cuda.cache_clear()
+
+
 def test_gdr_with_evidence_kernelgate_serves_with_flas_return():
     args, kw = gdr_inputs()
     rank_gdr()
