@@ -21,6 +21,7 @@ from ._ops import cross_entropy, linear_cross_entropy
 from ._ops import attention
 from .gated_delta_rule import gated_delta_rule  # defined from Python, before its library backends
 from .kda import kda
+from .attention_varlen import attention_varlen  # kg.attention's varlen form
 from . import _inductor, backends, evidence, policy
 
 __version__ = "0.1.0"

@@ -150,7 +150,8 @@ def linear_cross_entropy(
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-              scale: Optional[float] = None) -> torch.Tensor:
+              scale: Optional[float] = None, *, cu_seqlens: Optional[torch.Tensor] = None,
+              max_seqlen: Optional[int] = None) -> torch.Tensor:
     """Softmax attention, as ``F.scaled_dot_product_attention(q, k, v, is_causal=causal,
     scale=scale, enable_gqa=True)``: q [batch, heads, seq, head_dim], k and v [batch, kv_heads,
     seq, head_dim] with heads a multiple of kv_heads (query head h reads kv head
@@ -159,7 +160,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
 
     The routed op is ``attention`` with q grouped by kv head, [batch, kv_heads, group, seq,
     head_dim], a view of this q (``kg.explain("attention", ...)`` takes that form).
+
+    Varlen form (``cu_seqlens`` given), as FlashAttention's ``flash_attn_varlen_func``: packed
+    sequences, q [tokens, heads, head_dim], k and v [tokens, kv_heads, head_dim], cu_seqlens the
+    1-D integer offsets of the sequences (0, increasing, ending at tokens; on q's device or the
+    CPU); each token attends within its own sequence. max_seqlen: the longest sequence, computed
+    from cu_seqlens when None. Checking cu_seqlens reads it on the host: one device sync per call
+    for a CUDA tensor (none for a CPU one). The routed op is ``attention_varlen``.
     """
+    if cu_seqlens is not None:
+        return _attention_varlen(q, k, v, causal, scale, cu_seqlens, max_seqlen)
+    if max_seqlen is not None:
+        raise ValueError("kg.attention: max_seqlen is for the varlen form: give cu_seqlens with it")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             got = f"a {t.dim()}-D tensor of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
@@ -168,11 +180,62 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     if kv_heads == 0 or heads % kv_heads != 0:
         raise ValueError(f"kg.attention: q's heads must be a multiple of k's kv_heads (grouped-query "
                          f"attention), got q of shape {tuple(q.shape)} and k of shape {tuple(k.shape)}")
-    if not isinstance(causal, bool):  # causal="none" would otherwise mask as causal, silently
-        raise ValueError(f"kg.attention: causal must be True or False, got {causal!r}")
-    if scale is not None and (not isinstance(scale, (int, float)) or isinstance(scale, bool) or scale == 0):
-        raise ValueError(f"kg.attention: scale must be a non-zero number, or None for 1 / sqrt(head_dim); got {scale!r}")
+    _check_causal_and_scale(causal, scale)
     b, _, s, d = q.shape
     o = _attention(q.view(b, kv_heads, heads // kv_heads, s, d), k, v, "causal" if causal else "none",
                    0.0 if scale is None else float(scale))
     return o.view(b, heads, s, o.shape[-1])
+
+
+def _check_causal_and_scale(causal, scale) -> None:
+    if not isinstance(causal, bool):  # causal="none" would otherwise mask as causal, silently
+        raise ValueError(f"kg.attention: causal must be True or False, got {causal!r}")
+    if scale is not None and (not isinstance(scale, (int, float)) or isinstance(scale, bool) or scale == 0):
+        raise ValueError(f"kg.attention: scale must be a non-zero number, or None for 1 / sqrt(head_dim); got {scale!r}")
+
+
+def _attention_varlen(q, k, v, causal, scale, cu_seqlens, max_seqlen) -> torch.Tensor:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            got = f"a {t.dim()}-D tensor of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"kg.attention: with cu_seqlens, {name} must be a 3-D tensor [tokens, heads, head_dim], got {got}")
+    tokens, heads, d = q.shape
+    kv_heads = k.shape[1]
+    if kv_heads == 0 or heads % kv_heads != 0:
+        raise ValueError(f"kg.attention: q's heads must be a multiple of k's kv_heads (grouped-query "
+                         f"attention), got q of shape {tuple(q.shape)} and k of shape {tuple(k.shape)}")
+    _check_causal_and_scale(causal, scale)
+    longest = _check_cu_seqlens(cu_seqlens, tokens, q.device)
+    if max_seqlen is None:
+        max_seqlen = longest
+    elif not isinstance(max_seqlen, int) or isinstance(max_seqlen, bool) or max_seqlen < longest:
+        raise ValueError(f"kg.attention: max_seqlen must be an int at least the longest sequence of cu_seqlens "
+                         f"({longest}), got {max_seqlen!r}")
+    from .attention_varlen import attention_varlen
+
+    o = attention_varlen(q.view(tokens, kv_heads, heads // kv_heads, d), k, v, cu_seqlens.to(q.device),
+                         "causal" if causal else "none", 0.0 if scale is None else float(scale), max_seqlen)
+    return o.view(tokens, heads, o.shape[-1])
+
+
+def _check_cu_seqlens(cu_seqlens, tokens: int, device: torch.device) -> int:
+    """A cu_seqlens the varlen form takes: a 1-D integer tensor on `device` or the CPU, of at least
+    two offsets, 0 first, non-decreasing, `tokens` last. Returns the longest sequence."""
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        got = (f"a {cu_seqlens.dim()}-D tensor of shape {tuple(cu_seqlens.shape)}" if isinstance(cu_seqlens, torch.Tensor)
+               else type(cu_seqlens).__name__)
+        raise ValueError(f"kg.attention: cu_seqlens must be a 1-D tensor of at least 2 offsets, got {got}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"kg.attention: cu_seqlens must be int32 or int64, got {str(cu_seqlens.dtype).replace('torch.', '')}")
+    if cu_seqlens.device != device and cu_seqlens.device.type != "cpu":
+        raise ValueError(f"kg.attention: cu_seqlens must be on q's device ({device}) or the CPU, got {cu_seqlens.device}")
+    offsets = cu_seqlens.tolist()  # one device sync for a CUDA tensor
+    lengths = [b - a for a, b in zip(offsets, offsets[1:])]
+    if offsets[0] != 0 or offsets[-1] != tokens or min(lengths) < 0:
+        raise ValueError(f"kg.attention: cu_seqlens must start at 0, never decrease and end at q's tokens "
+                         f"({tokens}), got {_short(offsets)}")
+    return max(lengths)
+
+
+def _short(values: list) -> str:
+    return str(values) if len(values) <= 12 else f"[{', '.join(map(str, values[:6]))}, ..., {', '.join(map(str, values[-3:]))}]"

@@ -210,13 +210,15 @@ EAGER_REFUSES_DOUBLE_BACKWARD = {"attention": r"derivative for aten::_scaled_dot
 NARROW_BUILTINS = {("attention", "aten_flash"), ("attention", "aten_cudnn")}
 
 LIBRARY_BACKENDS = {(b.op, b.name) for b in kg.backends.BACKENDS}  # the field's libraries: CUDA only
+# Python backends of kernelgate's own modules registered with device="cuda" (PyTorch's varlen attention).
+CUDA_PYTHON_BACKENDS = {("attention_varlen", "torch_varlen")}
 
 
 def serves_device(op: str, backend: str, device: str) -> bool:
     """Backends named for a device (kernelgate_cpu, kernelgate_cuda_narrow_accum) and the field's
     libraries' (CUDA) serve only that device's tensors; every other one (reference, aten, Python
     backends) serves both."""
-    if (op, backend) in LIBRARY_BACKENDS:
+    if (op, backend) in LIBRARY_BACKENDS or (op, backend) in CUDA_PYTHON_BACKENDS:
         return device == "cuda"
     tokens = set(backend.split("_"))
     if "cpu" in tokens:

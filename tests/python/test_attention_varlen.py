@@ -1,0 +1,152 @@
+"""kg.attention's varlen form (cu_seqlens) and its op, attention_varlen: against each sequence's
+attention computed alone in float64 (forward and every gradient: empty sequences, one token, one
+sequence, grouped kv heads, both masks, a scale), the op's reading of any offsets, the fixed-length
+form as a special case, bad input, and on the GPU PyTorch's varlen kernels against the oracle. The
+contract suite (test_contracts.py) checks the op like every other, on the generated cases."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernelgate as kg
+from kernelgate.attention_varlen import attention_varlen_reference
+from kernelgate.testing import check_against_oracle
+
+
+def per_sequence(q, k, v, cu, causal, scale=None):
+    """Each sequence's attention alone (SDPA on its slice), concatenated: the definition."""
+    c = cu.tolist()
+    outs = [F.scaled_dot_product_attention(*(t[a:b].transpose(0, 1) for t in (q, k, v)), is_causal=causal,
+                                           scale=scale, enable_gqa=True).transpose(0, 1)
+            for a, b in zip(c, c[1:]) if b > a]
+    return torch.cat(outs) if outs else q.new_zeros(0, q.shape[1], v.shape[-1])
+
+
+def inputs(tokens, heads, kv_heads, d, dtype=torch.float32, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(tokens, h, d, generator=g, dtype=torch.float64).to(device, dtype).requires_grad_()
+            for h in (heads, kv_heads, kv_heads)]
+
+
+OFFSETS = [[0, 5, 5, 17, 23], [0, 23], [0, 1, 2, 23], [0, 22, 23], [0, 0, 23, 23]]
+
+
+@pytest.mark.parametrize("offsets", OFFSETS, ids=str)
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (3, 3), (4, 1)])
+@pytest.mark.parametrize("scale", [None, 0.3])
+def test_each_sequence_attends_only_within_itself(offsets, causal, heads, kv_heads, scale):
+    q, k, v = inputs(23, heads, kv_heads, 16)
+    cu = torch.tensor(offsets)
+    o = kg.attention(q, k, v, causal, scale, cu_seqlens=cu)
+    assert o.shape == (23, heads, 16) and o.dtype == torch.float32
+    want = per_sequence(*(t.double() for t in (q, k, v)), cu, causal, scale)
+    torch.testing.assert_close(o.double(), want, rtol=1e-5, atol=1e-5)
+    w = torch.randn(o.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    got = torch.autograd.grad((o * w).sum(), (q, k, v))
+    ref = torch.autograd.grad((want * w).sum(), (q, k, v))
+    for n, a, b in zip("qkv", got, ref):
+        torch.testing.assert_close(a.double(), b.double(), rtol=1e-5, atol=1e-5, msg=lambda m: f"grad of {n}: {m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_16_bit_inputs_meet_the_oracle_rule(dtype):
+    q, k, v = inputs(40, 4, 2, 32, dtype=dtype)
+    cu = torch.tensor([0, 7, 30, 40])
+    o = kg.attention(q, k, v, True, cu_seqlens=cu)
+    oracle = per_sequence(*(t.double() for t in (q, k, v)), cu, True)
+    # The reference accumulates in float32 and rounds once to the dtype: within one rounding.
+    assert o.dtype == dtype
+    err = float((o.double() - oracle).abs().max())
+    assert err <= torch.finfo(dtype).eps * float(oracle.abs().max()), err
+
+
+def test_the_op_reads_any_offsets_as_a_set_of_boundaries():
+    """The op itself (what the harness feeds random index tensors): cu_seqlens sorted, clamped to
+    [0, tokens], with 0 and tokens added."""
+    q, k, v = inputs(11, 2, 1, 8)
+    qg = q.detach().view(11, 1, 2, 8)
+    got = kg.attention_varlen(qg, k.detach(), v.detach(), torch.tensor([9, 3, 40, 3, -2]))
+    want = kg.attention_varlen(qg, k.detach(), v.detach(), torch.tensor([0, 3, 3, 9, 11, 11]))
+    assert torch.equal(got, want)
+    want = per_sequence(q.detach().double(), k.detach().double(), v.detach().double(), torch.tensor([0, 3, 9, 11]), True)
+    torch.testing.assert_close(got.view(11, 2, 8).double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_equal_lengths_are_the_fixed_length_form():
+    b, s, heads, kv_heads, d = 3, 9, 4, 2, 16
+    q, k, v = inputs(b * s, heads, kv_heads, d)
+    cu = torch.arange(0, b * s + 1, s)
+    o = kg.attention(q, k, v, True, cu_seqlens=cu, max_seqlen=s)
+    fixed = kg.attention(*(t.view(b, s, t.shape[1], d).transpose(1, 2) for t in (q, k, v)), True)
+    torch.testing.assert_close(o, fixed.transpose(1, 2).reshape(b * s, heads, d), rtol=1e-5, atol=1e-5)
+
+
+def test_reference_is_the_op_definition_in_float64():
+    q, k, v = inputs(17, 2, 2, 8, dtype=torch.float64)
+    cu = torch.tensor([0, 4, 17])
+    got = attention_varlen_reference(q.view(17, 2, 1, 8), k, v, cu, "none", 0.0, 0)
+    torch.testing.assert_close(got.view(17, 2, 8), per_sequence(q, k, v, cu, False), rtol=1e-12, atol=1e-12)
+
+
+def _bad_calls():
+    q, k, v = (t.detach() for t in inputs(10, 4, 2, 8))
+    cu = torch.tensor([0, 4, 10])
+    return [
+        ((q, k, v), {"cu_seqlens": torch.tensor([1, 4, 10])}, r"cu_seqlens must start at 0, never decrease and end at q's tokens \(10\), got \[1, 4, 10\]"),
+        ((q, k, v), {"cu_seqlens": torch.tensor([0, 6, 4, 10])}, r"never decrease .* got \[0, 6, 4, 10\]"),
+        ((q, k, v), {"cu_seqlens": torch.tensor([0, 4, 9])}, r"end at q's tokens \(10\), got \[0, 4, 9\]"),
+        ((q, k, v), {"cu_seqlens": torch.tensor([0, 4, 12])}, r"end at q's tokens \(10\), got \[0, 4, 12\]"),
+        ((q, k, v), {"cu_seqlens": torch.tensor([0.0, 10.0])}, r"cu_seqlens must be int32 or int64, got float32"),
+        ((q, k, v), {"cu_seqlens": torch.tensor([[0, 10]])}, r"cu_seqlens must be a 1-D tensor of at least 2 offsets, got a 2-D tensor"),
+        ((q, k, v), {"cu_seqlens": torch.tensor([0])}, r"cu_seqlens must be a 1-D tensor of at least 2 offsets, got a 1-D tensor of shape \(1,\)"),
+        ((q, k, v), {"cu_seqlens": [0, 10]}, r"cu_seqlens must be a 1-D tensor of at least 2 offsets, got list"),
+        ((q.view(1, 10, 4, 8), k, v), {"cu_seqlens": cu}, r"with cu_seqlens, q must be a 3-D tensor \[tokens, heads, head_dim\], got a 4-D"),
+        ((q, k[:, :1].expand(10, 3, 8), v), {"cu_seqlens": cu}, r"q's heads must be a multiple of k's kv_heads"),
+        ((q, k, v), {"cu_seqlens": cu, "max_seqlen": 5}, r"max_seqlen must be an int at least the longest sequence of cu_seqlens \(6\), got 5"),
+        ((q, k, v), {"cu_seqlens": cu, "max_seqlen": 6.0}, r"max_seqlen must be an int .* got 6.0"),
+        ((q.view(1, 10, 4, 8).transpose(1, 2), k.view(1, 10, 2, 8).transpose(1, 2),
+          v.view(1, 10, 2, 8).transpose(1, 2)), {"max_seqlen": 10}, r"max_seqlen is for the varlen form: give cu_seqlens with it"),
+        ((q, k, v, "causal"), {"cu_seqlens": cu}, r"causal must be True or False, got 'causal'"),
+    ]
+
+
+@pytest.mark.parametrize("args,kwargs,message", _bad_calls())
+def test_bad_input_names_the_argument(args, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        kg.attention(*args, **kwargs)
+
+
+def test_pytorchs_varlen_kernels_are_a_cuda_backend():
+    o = next(o for o in kg.ops() if o["name"] == "attention_varlen")
+    assert o["defined_in_python"] and [b["name"] for b in o["backends"]] == ["reference", "torch_varlen"]
+    q, k, v = (t.detach() for t in inputs(10, 4, 2, 8))
+    e = kg.explain("attention_varlen", q.view(10, 2, 2, 8), k, v, torch.tensor([0, 4, 10]))
+    assert e.backend == "reference", str(e)
+    assert "cuda tensors only" in {c.backend: c.reason for c in e.candidates}["torch_varlen"], str(e)
+
+
+# ---- GPU -----------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("offsets", [[0, 5, 5, 70, 130], [0, 130], [0, 1, 129, 130]], ids=str)
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_gpu_torch_varlen_against_the_oracle(offsets, causal, dtype):
+    """PyTorch's varlen kernels, forced, forward and every gradient against each sequence's
+    attention in float64, within the oracle rule of the reference at the dtype."""
+    q, k, v = inputs(130, 8, 2, 64, dtype=dtype, device="cuda")
+    cu = torch.tensor(offsets, device="cuda")
+    w = torch.randn(130, 8, 64, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+
+    def run(force):
+        with kg.use(force={"attention_varlen": force}):
+            o = kg.attention(q, k, v, causal, cu_seqlens=cu)
+        return [o, *torch.autograd.grad((o * w.to(o.device, o.dtype)).sum(), (q, k, v))]
+
+    got, ref = run("torch_varlen"), run("reference")
+    q64, k64, v64 = (t.detach().double().cpu().requires_grad_() for t in (q, k, v))
+    o64 = per_sequence(q64, k64, v64, cu.cpu(), causal)
+    ora = [o64, *torch.autograd.grad((o64 * w).sum(), (q64, k64, v64))]
+    for n, g_, r, o in zip(["o", "grad of q", "grad of k", "grad of v"], got, ref, ora, strict=True):
+        check_against_oracle(n, g_, r, o.to(g_.device), dtype)
