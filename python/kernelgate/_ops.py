@@ -172,19 +172,26 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
         return _attention_varlen(q, k, v, causal, scale, cu_seqlens, max_seqlen)
     if max_seqlen is not None:
         raise ValueError("kg.attention: max_seqlen is for the varlen form: give cu_seqlens with it")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            got = f"a {t.dim()}-D tensor of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"kg.attention: {name} must be a 4-D tensor [batch, heads, seq, head_dim], got {got}")
-    heads, kv_heads = q.shape[1], k.shape[1]
-    if kv_heads == 0 or heads % kv_heads != 0:
-        raise ValueError(f"kg.attention: q's heads must be a multiple of k's kv_heads (grouped-query "
-                         f"attention), got q of shape {tuple(q.shape)} and k of shape {tuple(k.shape)}")
+    heads, kv_heads = _check_qkv(q, k, v, 4, "", "[batch, heads, seq, head_dim]")
     _check_causal_and_scale(causal, scale)
     b, _, s, d = q.shape
     o = _attention(q.view(b, kv_heads, heads // kv_heads, s, d), k, v, "causal" if causal else "none",
                    0.0 if scale is None else float(scale))
     return o.view(b, heads, s, o.shape[-1])
+
+
+def _check_qkv(q, k, v, dims: int, form: str, layout: str) -> Tuple[int, int]:
+    """q, k and v tensors of `dims` dims with heads a multiple of kv_heads (dim 1 in both forms);
+    returns (heads, kv_heads)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != dims:
+            got = f"a {t.dim()}-D tensor of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"kg.attention: {form}{name} must be a {dims}-D tensor {layout}, got {got}")
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if kv_heads == 0 or heads % kv_heads != 0:
+        raise ValueError(f"kg.attention: q's heads must be a multiple of k's kv_heads (grouped-query "
+                         f"attention), got q of shape {tuple(q.shape)} and k of shape {tuple(k.shape)}")
+    return heads, kv_heads
 
 
 def _check_causal_and_scale(causal, scale) -> None:
@@ -195,15 +202,8 @@ def _check_causal_and_scale(causal, scale) -> None:
 
 
 def _attention_varlen(q, k, v, causal, scale, cu_seqlens, max_seqlen) -> torch.Tensor:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 3:
-            got = f"a {t.dim()}-D tensor of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"kg.attention: with cu_seqlens, {name} must be a 3-D tensor [tokens, heads, head_dim], got {got}")
-    tokens, heads, d = q.shape
-    kv_heads = k.shape[1]
-    if kv_heads == 0 or heads % kv_heads != 0:
-        raise ValueError(f"kg.attention: q's heads must be a multiple of k's kv_heads (grouped-query "
-                         f"attention), got q of shape {tuple(q.shape)} and k of shape {tuple(k.shape)}")
+    heads, kv_heads = _check_qkv(q, k, v, 3, "with cu_seqlens, ", "[tokens, heads, head_dim]")
+    tokens, _, d = q.shape
     _check_causal_and_scale(causal, scale)
     longest = _check_cu_seqlens(cu_seqlens, tokens, q.device)
     if max_seqlen is None:
