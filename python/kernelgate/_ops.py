@@ -219,23 +219,30 @@ def _attention_varlen(q, k, v, causal, scale, cu_seqlens, max_seqlen) -> torch.T
 
 
 def _check_cu_seqlens(cu_seqlens, tokens: int, device: torch.device) -> int:
-    """A cu_seqlens the varlen form takes: a 1-D integer tensor on `device` or the CPU, of at least
-    two offsets, 0 first, non-decreasing, `tokens` last. Returns the longest sequence."""
-    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        got = (f"a {cu_seqlens.dim()}-D tensor of shape {tuple(cu_seqlens.shape)}" if isinstance(cu_seqlens, torch.Tensor)
-               else type(cu_seqlens).__name__)
-        raise ValueError(f"kg.attention: cu_seqlens must be a 1-D tensor of at least 2 offsets, got {got}")
-    if cu_seqlens.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"kg.attention: cu_seqlens must be int32 or int64, got {str(cu_seqlens.dtype).replace('torch.', '')}")
+    """A cu_seqlens the varlen form takes (check_offsets_tensor, check_offsets_values) on `device`
+    or the CPU. Returns the longest sequence."""
+    check_offsets_tensor(cu_seqlens, "kg.attention", "cu_seqlens")
     if cu_seqlens.device != device and cu_seqlens.device.type != "cpu":
         raise ValueError(f"kg.attention: cu_seqlens must be on q's device ({device}) or the CPU, got {cu_seqlens.device}")
-    offsets = cu_seqlens.tolist()  # one device sync for a CUDA tensor
-    lengths = [b - a for a, b in zip(offsets, offsets[1:])]
-    if offsets[0] != 0 or offsets[-1] != tokens or min(lengths) < 0:
-        raise ValueError(f"kg.attention: cu_seqlens must start at 0, never decrease and end at q's tokens "
-                         f"({tokens}), got {_short(offsets)}")
-    return max(lengths)
+    offsets = check_offsets_values(cu_seqlens, tokens, f"q's tokens ({tokens})", "kg.attention", "cu_seqlens")
+    return max(b - a for a, b in zip(offsets, offsets[1:]))
 
 
-def _short(values: list) -> str:
-    return str(values) if len(values) <= 12 else f"[{', '.join(map(str, values[:6]))}, ..., {', '.join(map(str, values[-3:]))}]"
+def check_offsets_tensor(offsets, what: str, name: str) -> None:
+    """Sequence offsets (cu_seqlens) must be a 1-D int32 or int64 tensor of at least two offsets:
+    an error naming `name` otherwise (the device is the caller's rule)."""
+    if not isinstance(offsets, torch.Tensor):
+        raise TypeError(f"{what}: {name} must be a tensor of sequence offsets, got {type(offsets).__name__}")
+    if offsets.dim() != 1 or offsets.numel() < 2 or offsets.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{what}: {name} must be a 1-D int32 or int64 tensor of at least 2 offsets, "
+                         f"got {offsets.dtype} of shape {list(offsets.shape)}")
+
+
+def check_offsets_values(offsets: torch.Tensor, total: int, total_is: str, what: str, name: str) -> list:
+    """The offsets read on the host (one device sync for a CUDA tensor), which must start at 0,
+    never decrease (an empty sequence is allowed) and end at `total` (described as `total_is`)."""
+    v = offsets.tolist()
+    if v[0] != 0 or any(b < a for a, b in zip(v, v[1:])) or v[-1] != total:
+        shown = v if len(v) <= 12 else v[:6] + ["..."] + v[-6:]
+        raise ValueError(f"{what}: {name} must start at 0, never decrease and end at {total_is}, got {shown}")
+    return v

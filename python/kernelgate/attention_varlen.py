@@ -18,9 +18,10 @@ unknown (tokens is then its bound).
 The reference computes every query against every key of the packed tokens with the mask of the
 sequences (float32 accumulation; float64 for the oracle): simple, exact and twice differentiable
 (as every reference must be; PyTorch's fused SDPA kernels have no double backward), and quadratic
-in tokens in time and memory, for the harness's and small calls. torch_varlen (CUDA, 16-bit) is PyTorch's varlen attention
-(FlashAttention's kernels, or cuDNN's where PyTorch picks them), its backward from a recomputed
-forward; like every backend it serves only where evidence shows it correct.
+in tokens in time and memory, for the harness's and small calls. torch_varlen (CUDA, 16-bit) is
+PyTorch's varlen attention (FlashAttention's kernels, or cuDNN's where PyTorch picks them), its
+backward from a recomputed forward; like every backend it serves only where evidence shows it
+correct.
 """
 
 import torch

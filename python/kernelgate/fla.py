@@ -25,6 +25,7 @@ import torch
 
 from . import _C
 from ._api import kernel_serves
+from ._ops import check_offsets_tensor, check_offsets_values
 
 log = logging.getLogger("kernelgate")
 
@@ -98,11 +99,7 @@ def _check_cu_seqlens(x: torch.Tensor, cu_seqlens, cu_seqlens_cpu, what: str) ->
     given = [(n, o, d) for n, o, d in (("cu_seqlens", cu_seqlens, x.device),
                                        ("cu_seqlens_cpu", cu_seqlens_cpu, torch.device("cpu"))) if o is not None]
     for name, offsets, device in given:
-        if not isinstance(offsets, torch.Tensor):
-            raise TypeError(f"{what}: {name} must be a tensor of sequence offsets, got {type(offsets).__name__}")
-        if offsets.dim() != 1 or offsets.numel() < 2 or offsets.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"{what}: {name} must be a 1-D int32 or int64 tensor of at least 2 offsets, "
-                             f"got {offsets.dtype} of shape {list(offsets.shape)}")
+        check_offsets_tensor(offsets, what, name)
         if offsets.device != device:
             raise ValueError(f"{what}: {name} must be on {device} (x is on {x.device}), got {offsets.device}")
         if x.shape[0] != 1:
@@ -113,11 +110,7 @@ def _check_cu_seqlens(x: torch.Tensor, cu_seqlens, cu_seqlens_cpu, what: str) ->
                          f"{given[0][1].numel()} and {given[1][1].numel()} of them")
     if given:
         name, offsets, _ = given[-1]
-        v = offsets.tolist()
-        if v[0] != 0 or any(b < a for a, b in zip(v, v[1:])) or v[-1] != x.shape[1]:
-            shown = v if len(v) <= 12 else v[:6] + ["..."] + v[-6:]
-            raise ValueError(f"{what}: {name} must start at 0, never decrease and end at the total length "
-                             f"{x.shape[1]} (x's dim 1), got {shown}")
+        check_offsets_values(offsets, x.shape[1], f"the total length {x.shape[1]} (x's dim 1)", what, name)
 
 
 def _conv_refusal(x, weight, bias, residual, initial_state, output_final_state, activation, backend,

@@ -93,27 +93,30 @@ def _bad_calls():
     q, k, v = (t.detach() for t in inputs(10, 4, 2, 8))
     cu = torch.tensor([0, 4, 10])
     return [
-        ((q, k, v), {"cu_seqlens": torch.tensor([1, 4, 10])}, r"cu_seqlens must start at 0, never decrease and end at q's tokens \(10\), got \[1, 4, 10\]"),
-        ((q, k, v), {"cu_seqlens": torch.tensor([0, 6, 4, 10])}, r"never decrease .* got \[0, 6, 4, 10\]"),
-        ((q, k, v), {"cu_seqlens": torch.tensor([0, 4, 9])}, r"end at q's tokens \(10\), got \[0, 4, 9\]"),
-        ((q, k, v), {"cu_seqlens": torch.tensor([0, 4, 12])}, r"end at q's tokens \(10\), got \[0, 4, 12\]"),
-        ((q, k, v), {"cu_seqlens": torch.tensor([0.0, 10.0])}, r"cu_seqlens must be int32 or int64, got float32"),
-        ((q, k, v), {"cu_seqlens": torch.tensor([[0, 10]])}, r"cu_seqlens must be a 1-D tensor of at least 2 offsets, got a 2-D tensor"),
-        ((q, k, v), {"cu_seqlens": torch.tensor([0])}, r"cu_seqlens must be a 1-D tensor of at least 2 offsets, got a 1-D tensor of shape \(1,\)"),
-        ((q, k, v), {"cu_seqlens": [0, 10]}, r"cu_seqlens must be a 1-D tensor of at least 2 offsets, got list"),
-        ((q.view(1, 10, 4, 8), k, v), {"cu_seqlens": cu}, r"with cu_seqlens, q must be a 3-D tensor \[tokens, heads, head_dim\], got a 4-D"),
-        ((q, k[:, :1].expand(10, 3, 8), v), {"cu_seqlens": cu}, r"q's heads must be a multiple of k's kv_heads"),
-        ((q, k, v), {"cu_seqlens": cu, "max_seqlen": 5}, r"max_seqlen must be an int at least the longest sequence of cu_seqlens \(6\), got 5"),
-        ((q, k, v), {"cu_seqlens": cu, "max_seqlen": 6.0}, r"max_seqlen must be an int .* got 6.0"),
+        ((q, k, v), {"cu_seqlens": torch.tensor([1, 4, 10])}, ValueError, r"cu_seqlens must start at 0, never decrease and end at q's tokens \(10\), got \[1, 4, 10\]"),
+        ((q, k, v), {"cu_seqlens": torch.tensor([0, 6, 4, 10])}, ValueError, r"never decrease .* got \[0, 6, 4, 10\]"),
+        ((q, k, v), {"cu_seqlens": torch.tensor([0, 4, 9])}, ValueError, r"end at q's tokens \(10\), got \[0, 4, 9\]"),
+        ((q, k, v), {"cu_seqlens": torch.tensor([0, 4, 12])}, ValueError, r"end at q's tokens \(10\), got \[0, 4, 12\]"),
+        ((q, k, v), {"cu_seqlens": torch.tensor([0.0, 10.0])}, ValueError,
+         r"cu_seqlens must be a 1-D int32 or int64 tensor of at least 2 offsets, got torch.float32 of shape \[2\]"),
+        ((q, k, v), {"cu_seqlens": torch.tensor([[0, 10]])}, ValueError,
+         r"cu_seqlens must be a 1-D int32 or int64 tensor of at least 2 offsets, got torch.int64 of shape \[1, 2\]"),
+        ((q, k, v), {"cu_seqlens": torch.tensor([0])}, ValueError,
+         r"cu_seqlens must be a 1-D int32 or int64 tensor of at least 2 offsets, got torch.int64 of shape \[1\]"),
+        ((q, k, v), {"cu_seqlens": [0, 10]}, TypeError, r"cu_seqlens must be a tensor of sequence offsets, got list"),
+        ((q.view(1, 10, 4, 8), k, v), {"cu_seqlens": cu}, ValueError, r"with cu_seqlens, q must be a 3-D tensor \[tokens, heads, head_dim\], got a 4-D"),
+        ((q, k[:, :1].expand(10, 3, 8), v), {"cu_seqlens": cu}, ValueError, r"q's heads must be a multiple of k's kv_heads"),
+        ((q, k, v), {"cu_seqlens": cu, "max_seqlen": 5}, ValueError, r"max_seqlen must be an int at least the longest sequence of cu_seqlens \(6\), got 5"),
+        ((q, k, v), {"cu_seqlens": cu, "max_seqlen": 6.0}, ValueError, r"max_seqlen must be an int .* got 6.0"),
         ((q.view(1, 10, 4, 8).transpose(1, 2), k.view(1, 10, 2, 8).transpose(1, 2),
-          v.view(1, 10, 2, 8).transpose(1, 2)), {"max_seqlen": 10}, r"max_seqlen is for the varlen form: give cu_seqlens with it"),
-        ((q, k, v, "causal"), {"cu_seqlens": cu}, r"causal must be True or False, got 'causal'"),
+          v.view(1, 10, 2, 8).transpose(1, 2)), {"max_seqlen": 10}, ValueError, r"max_seqlen is for the varlen form: give cu_seqlens with it"),
+        ((q, k, v, "causal"), {"cu_seqlens": cu}, ValueError, r"causal must be True or False, got 'causal'"),
     ]
 
 
-@pytest.mark.parametrize("args,kwargs,message", _bad_calls())
-def test_bad_input_names_the_argument(args, kwargs, message):
-    with pytest.raises(ValueError, match=message):
+@pytest.mark.parametrize("args,kwargs,error,message", _bad_calls())
+def test_bad_input_names_the_argument(args, kwargs, error, message):
+    with pytest.raises(error, match=message):
         kg.attention(*args, **kwargs)
 
 
