@@ -64,6 +64,22 @@ def cases(dev, dt):
         t = torch.randint(0, 32000, (8192,), device=dev)
         return (h, w, t), [h, w]
 
+    def attention_inputs():  # the training step's attention: B4 S2048, 16 query and 4 kv heads of 128
+        q = torch.randn(4, 16, 2048, 128, device=dev, dtype=dt, requires_grad=True)
+        k, v = (torch.randn(4, 4, 2048, 128, device=dev, dtype=dt, requires_grad=True) for _ in range(2))
+        return (q, k, v, True), [q, k, v]
+
+    def varlen_inputs():  # 16,384 packed tokens in 8 sequences of 2,048; 32 query and 8 kv heads of 128
+        q = torch.randn(16384, 32, 128, device=dev, dtype=dt, requires_grad=True)
+        k, v = (torch.randn(16384, 8, 128, device=dev, dtype=dt, requires_grad=True) for _ in range(2))
+        cu = torch.arange(0, 16385, 2048, device=dev, dtype=torch.int32)
+        return (q, k, v, cu, 2048), [q, k, v]
+
+    def plain_varlen(q, k, v, cu, longest):
+        from torch.nn.attention.varlen import varlen_attn
+
+        return varlen_attn(q, k, v, cu, cu, longest, longest, window_size=(-1, 0))  # causal, grouped kv heads
+
     return [
         ("rms_norm", lambda x, w: F.rms_norm(x, (x.shape[-1],), w, 1e-6), norm_inputs),
         ("layer_norm", lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, b, 1e-5),
@@ -78,7 +94,21 @@ def cases(dev, dt):
          lambda: rope_inputs(True)),
         ("cross_entropy", lambda x, t: F.cross_entropy(x, t), ce_inputs),
         ("linear_cross_entropy", lambda h, w, t: F.cross_entropy(F.linear(h, w).float(), t), lce_inputs),
+        ("attention", lambda q, k, v, c: F.scaled_dot_product_attention(q, k, v, is_causal=c, enable_gqa=True),
+         attention_inputs),
+        ("attention_varlen", plain_varlen, varlen_inputs),
     ]
+
+
+# Ops called through another function than kg.<op> (kg.attention's varlen form), and the
+# arguments explain takes for them.
+ROUTED = {"attention_varlen": lambda q, k, v, cu, longest: kg.attention(q, k, v, True, cu_seqlens=cu,
+                                                                        max_seqlen=longest)}
+EXPLAIN_ARGS = {
+    "attention": lambda q, k, v, causal: (q.view(q.shape[0], k.shape[1], -1, *q.shape[2:]), k, v,
+                                          "causal" if causal else "none"),
+    "attention_varlen": lambda q, k, v, cu, longest: (
+        q.view(q.shape[0], k.shape[1], -1, q.shape[-1]), k, v, cu, "causal", 0.0, longest)}
 
 
 def measure(f, args, leaves):
@@ -100,6 +130,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--ops", default="", help="comma-separated; default every op")
     args = ap.parse_args()
     dt = getattr(torch, args.dtype)
     env = environment("python " + " ".join(sys.argv))
@@ -107,11 +138,13 @@ def main() -> int:
     _C.use_evidence(os.fsencode(empty), [])  # no evidence at all: what every fresh install meets
     rows = []
     for op, plain, make in cases("cuda", dt):
+        if args.ops and op not in args.ops.split(","):
+            continue
         a, leaves = make()
-        served = kg.explain(op, *a)
+        served = kg.explain(op, *EXPLAIN_ARGS.get(op, lambda *x: x)(*a))
         try:
             p_fwd, p_fb, p_mem = measure(plain, a, leaves)
-            k_fwd, k_fb, k_mem = measure(getattr(kg, op), a, leaves)
+            k_fwd, k_fb, k_mem = measure(ROUTED.get(op, getattr(kg, op)), a, leaves)
         except Exception as exc:  # recorded, not hidden
             rows.append({"op": op, "served_by": served.backend, "error": repr(exc)[:300]})
             continue

@@ -231,7 +231,8 @@ def define_op(schema: str, *, dims: str, reference: Callable,
               variants: Optional[Dict[str, Sequence[str]]] = None,
               index_ranges: Optional[Dict[str, str]] = None,
               dim_multiples: Optional[Dict[str, int]] = None,
-              no_grad: Sequence[str] = (), outputs: Sequence[str] = ()) -> Callable:
+              no_grad: Sequence[str] = (), outputs: Sequence[str] = (),
+              eager: Optional[Callable] = None) -> Callable:
     """Defines a routed op from Python and returns it (also reachable as ``kg.<name>`` and
     ``torch.ops.kernelgate.<name>``).
 
@@ -246,15 +247,25 @@ def define_op(schema: str, *, dims: str, reference: Callable,
     with their allowed values (default first); index_ranges: for each index tensor, the named dim
     that bounds its values; dim_multiples: named dims whose sizes must be a multiple; no_grad:
     float tensors that get no gradient.
+
+    eager: the op as the plain PyTorch code a user would write without kernelgate (a function of
+    the op's arguments, differentiated by PyTorch's autograd): the op's ``eager`` backend, which
+    serves where no evidence ranks a backend (docs/evidence.md) and is swept like every backend.
+    Without it the reference serves there.
     """
     if not callable(reference):
         raise TypeError(f"reference must be callable, got {type(reference).__name__}")
+    if eager is not None and not callable(eager):
+        raise TypeError(f"eager must be callable or None, got {type(eager).__name__}")
     name = schema.split("(", 1)[0].strip()
-    given = (schema, dims, _code_hash(reference))
+    # The code that computes: the reference, and the eager code where given (an op without one
+    # keeps the hash it had before eager backends existed).
+    code = _code_hash(reference) + ("" if eager is None else _code_hash(eager))
+    given = (schema, dims, code)
     if name in _defined:
         if _defined[name] == given:
             return routed(name)
-        raise ValueError(f"op '{name}' is already defined with another schema, dims or reference")
+        raise ValueError(f"op '{name}' is already defined with another schema, dims, reference or eager code")
     if name in {o["name"] for o in _C.ops()}:
         raise ValueError(f"op '{name}' is already defined by kernelgate")
     spec = {
@@ -270,11 +281,12 @@ def define_op(schema: str, *, dims: str, reference: Callable,
         "dim_multiples": dict(dim_multiples or {}),
         "no_grad": list(no_grad),
         "outputs": list(outputs),
+        "eager": eager,
     }
     # Evidence of the op goes stale when its reference or its declaration (what its cases are
     # made from) changes.
-    declared = repr({k: v for k, v in spec.items() if k != "reference"}).encode()
-    spec["source_hash"] = hashlib.sha256(_code_hash(reference).encode() + declared).hexdigest()[:16]
+    declared = repr({k: v for k, v in spec.items() if k not in ("reference", "eager")}).encode()
+    spec["source_hash"] = hashlib.sha256(code.encode() + declared).hexdigest()[:16]
     _C.define_op(spec)
     _defined[name] = given
     evidence.install()  # the evidence source learns the new op's fingerprint

@@ -10,6 +10,7 @@ CUDA graphs see the same op either way; torch.compile traces the torch.ops call 
 from typing import Callable, Optional, Tuple
 
 import torch
+import torch.utils.weak
 from torch._dynamo import substitute_in_graph
 
 from . import _C
@@ -165,8 +166,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     sequences, q [tokens, heads, head_dim], k and v [tokens, kv_heads, head_dim], cu_seqlens the
     1-D integer offsets of the sequences (0, increasing, ending at tokens; on q's device or the
     CPU); each token attends within its own sequence. max_seqlen: the longest sequence, computed
-    from cu_seqlens when None. Checking cu_seqlens reads it on the host: one device sync per call
-    for a CUDA tensor (none for a CPU one). The routed op is ``attention_varlen``.
+    from cu_seqlens when None. Checking cu_seqlens reads it on the host: one device sync for a
+    CUDA tensor (none for a CPU one) at its first call; later calls with the same tensor, unchanged
+    (every layer of a model's step), reuse the check. The routed op is ``attention_varlen``.
     """
     if cu_seqlens is not None:
         return _attention_varlen(q, k, v, causal, scale, cu_seqlens, max_seqlen)
@@ -205,27 +207,49 @@ def _attention_varlen(q, k, v, causal, scale, cu_seqlens, max_seqlen) -> torch.T
     heads, kv_heads = _check_qkv(q, k, v, 3, "with cu_seqlens, ", "[tokens, heads, head_dim]")
     tokens, _, d = q.shape
     _check_causal_and_scale(causal, scale)
-    longest = _check_cu_seqlens(cu_seqlens, tokens, q.device)
+    # Traced by torch.compile, the offsets' values are not known: they go unchecked (the op reads
+    # any offsets as a set of boundaries) and max_seqlen, if not given, is the tokens' count.
+    longest, cu_seqlens = _check_cu_seqlens(cu_seqlens, tokens, q.device, values=not torch.compiler.is_compiling())
     if max_seqlen is None:
-        max_seqlen = longest
-    elif not isinstance(max_seqlen, int) or isinstance(max_seqlen, bool) or max_seqlen < longest:
+        max_seqlen = tokens if longest is None else longest
+    elif (not isinstance(max_seqlen, int) or isinstance(max_seqlen, bool) or max_seqlen < (longest or 0)
+          or max_seqlen < 0):
         raise ValueError(f"kg.attention: max_seqlen must be an int at least the longest sequence of cu_seqlens "
-                         f"({longest}), got {max_seqlen!r}")
+                         f"({'unknown while traced' if longest is None else longest}), got {max_seqlen!r}")
     from .attention_varlen import attention_varlen
 
-    o = attention_varlen(q.view(tokens, kv_heads, heads // kv_heads, d), k, v, cu_seqlens.to(q.device),
+    o = attention_varlen(q.view(tokens, kv_heads, heads // kv_heads, d), k, v, cu_seqlens,
                          "causal" if causal else "none", 0.0 if scale is None else float(scale), max_seqlen)
     return o.view(tokens, heads, o.shape[-1])
 
 
-def _check_cu_seqlens(cu_seqlens, tokens: int, device: torch.device) -> int:
-    """A cu_seqlens the varlen form takes (check_offsets_tensor, check_offsets_values) on `device`
-    or the CPU. Returns the longest sequence."""
+# cu_seqlens tensors already checked, with what the check found: a model passes one batch's
+# cu_seqlens to every layer's attention, and only the first call reads it on the host (a device
+# sync for a CUDA tensor). Keyed by the tensor itself (not its values); its version counter tells
+# an in-place change.
+_CHECKED_OFFSETS: "torch.utils.weak.WeakIdKeyDictionary" = torch.utils.weak.WeakIdKeyDictionary()
+
+
+def _check_cu_seqlens(cu_seqlens, tokens: int, device: torch.device,
+                      values: bool = True) -> Tuple[Optional[int], torch.Tensor]:
+    """A cu_seqlens the varlen form takes (check_offsets_tensor, check_offsets_values unless not
+    `values`) on `device` or the CPU. Returns the longest sequence (None where values are not
+    read) and cu_seqlens on `device` (a CPU one copied once)."""
     check_offsets_tensor(cu_seqlens, "kg.attention", "cu_seqlens")
     if cu_seqlens.device != device and cu_seqlens.device.type != "cpu":
         raise ValueError(f"kg.attention: cu_seqlens must be on q's device ({device}) or the CPU, got {cu_seqlens.device}")
+    if not values:
+        return None, cu_seqlens.to(device)
+    seen = _CHECKED_OFFSETS.get(cu_seqlens)
+    if seen is not None and seen[:3] == (cu_seqlens._version, tokens, device):
+        return seen[3], cu_seqlens if seen[4] is None else seen[4]
     offsets = check_offsets_values(cu_seqlens, tokens, f"q's tokens ({tokens})", "kg.attention", "cu_seqlens")
-    return max(b - a for a, b in zip(offsets, offsets[1:]))
+    longest = max(b - a for a, b in zip(offsets, offsets[1:]))
+    on_device = cu_seqlens.to(device)
+    # The entry must not hold the tensor it is keyed by (it would never be freed).
+    _CHECKED_OFFSETS[cu_seqlens] = (cu_seqlens._version, tokens, device, longest,
+                                    None if on_device is cu_seqlens else on_device)
+    return longest, on_device
 
 
 def check_offsets_tensor(offsets, what: str, name: str) -> None:

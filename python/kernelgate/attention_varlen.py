@@ -15,18 +15,23 @@ wrong one is an error, while any integer tensor is a valid input of the op itsel
 generates them at random). max_seqlen: the longest sequence if the caller knows it, 0 for
 unknown (tokens is then its bound).
 
-The reference computes every query against every key of the packed tokens with the mask of the
-sequences (float32 accumulation; float64 for the oracle): simple, exact and twice differentiable
-(as every reference must be; PyTorch's fused SDPA kernels have no double backward), and quadratic
-in tokens in time and memory, for the harness's and small calls. torch_varlen (CUDA, 16-bit) is
-PyTorch's varlen attention (FlashAttention's kernels, or cuDNN's where PyTorch picks them), its
-backward from a recomputed forward; like every backend it serves only where evidence shows it
-correct.
+The reference computes each sequence's attention on its own (float32 accumulation; float64 for
+the oracle): exact and twice differentiable (as every reference must be; PyTorch's fused kernels
+have no double backward), in time and memory the sum of the sequences' squared lengths. It reads
+the boundaries on the host (one sync); where it cannot (meta and traced tensors, torch.compile's
+tracing, CUDA-graph capture) it computes every query against every packed key under the
+sequences' mask instead, quadratic in tokens. The eager backend is the plain PyTorch code a user
+would write: on CUDA in 16 bits PyTorch's varlen attention (FlashAttention's kernels, or cuDNN's
+where PyTorch picks them; head_dim a multiple of 8 up to 256), its gradients by PyTorch's
+autograd; elsewhere the reference. It serves where no evidence ranks a backend; like every
+backend it is swept against the oracle.
 """
+
+import importlib.util
 
 import torch
 
-from ._define import define_op, register_backend
+from ._define import define_op
 
 SCHEMA = ("attention_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, str mask=\"causal\", "
           "float scale=0.0, int max_seqlen=0) -> Tensor")
@@ -41,24 +46,82 @@ def boundaries(cu_seqlens: torch.Tensor, tokens: int) -> torch.Tensor:
     return torch.cat([cu.new_zeros(1), cu, cu.new_full((1,), tokens)])
 
 
+def _no_host_values(t: torch.Tensor) -> bool:
+    """Where the boundaries' values cannot be read on the host: meta and traced tensors (a
+    tensor subclass: FakeTensor, FunctionalTensor), torch.compile's tracing, CUDA-graph capture."""
+    return (t.device.type == "meta" or type(t) is not torch.Tensor or torch.compiler.is_compiling()
+            or (t.is_cuda and torch.cuda.is_current_stream_capturing()))
+
+
 def attention_varlen_reference(q, k, v, cu_seqlens, mask, scale, max_seqlen):
-    acc = torch.promote_types(q.dtype, torch.float32)
+    dtype, acc = q.dtype, torch.promote_types(q.dtype, torch.float32)
     T, Hkv, G, D = q.shape
     s = D ** -0.5 if scale == 0 and D > 0 else scale
-    pos = torch.arange(T, device=q.device)
-    seq = torch.searchsorted(boundaries(cu_seqlens, T), pos, right=True)  # a sequence's tokens share it
-    allowed = seq[:, None] == seq[None, :]
-    if mask == "causal":
-        allowed = allowed & (pos[None, :] <= pos[:, None])
-    scores = torch.einsum("ikgd,jkd->kgij", q.to(acc), k.to(acc)) * s
-    p = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)  # a token sees itself
-    return torch.einsum("kgij,jkd->ikgd", p, v.to(acc)).to(q.dtype)
+    q, k, v = q.to(acc), k.to(acc), v.to(acc)
+    cu = boundaries(cu_seqlens, T)
+
+    def attend(q, k, v, seq):  # seq: each token's sequence number, or None for one sequence
+        n = q.shape[0]
+        pos = torch.arange(n, device=q.device)
+        allowed = torch.ones(n, n, dtype=torch.bool, device=q.device) if seq is None else seq[:, None] == seq[None, :]
+        if mask == "causal":
+            allowed = allowed & (pos[None, :] <= pos[:, None])
+        scores = torch.einsum("ikgd,jkd->kgij", q, k) * s
+        p = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)  # a token sees itself
+        return torch.einsum("kgij,jkd->ikgd", p, v)
+
+    if _no_host_values(q):
+        pos = torch.arange(T, device=q.device)
+        o = attend(q, k, v, torch.searchsorted(cu, pos, right=True))  # a sequence's tokens share it
+    else:
+        b = cu.tolist()
+        parts = [attend(q[a:e], k[a:e], v[a:e], None) for a, e in zip(b, b[1:]) if e > a]
+        o = torch.cat(parts) if parts else q.new_zeros(0, Hkv, G, v.shape[-1])
+    return o.to(dtype)
+
+
+def _varlen_attn_refuses(q) -> str:
+    """Why PyTorch's varlen attention cannot take the call ("" if it can)."""
+    if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
+        return "PyTorch's varlen attention takes CUDA float16 and bfloat16 tensors"
+    if q.shape[-1] % 8 != 0 or q.shape[-1] > 256:
+        return f"head_dim {q.shape[-1]}: PyTorch's varlen attention takes a multiple of 8 up to 256"
+    if q.numel() == 0:
+        return "no tokens"
+    if importlib.util.find_spec("torch.nn.attention.varlen") is None:
+        return "this PyTorch has no torch.nn.attention.varlen"
+    return ""
+
+
+def _dense_aligned(t: torch.Tensor) -> torch.Tensor:
+    t = t.contiguous()
+    # A traced tensor has no address: the graph's own buffers are aligned.
+    return t.clone() if type(t) is torch.Tensor and t.data_ptr() % 16 else t
+
+
+def attention_varlen_eager(q, k, v, cu_seqlens, mask, scale, max_seqlen):
+    if _varlen_attn_refuses(q):
+        return attention_varlen_reference(q, k, v, cu_seqlens, mask, scale, max_seqlen)
+    from torch.nn.attention.varlen import varlen_attn
+
+    T, Hkv, G, D = q.shape
+    cu = boundaries(cu_seqlens, T).to(torch.int32)
+    longest = max_seqlen if max_seqlen > 0 else T
+    # Its kernels read 16-byte rows of dense tensors: strided or misaligned inputs (a view at an
+    # odd offset) fault with a misaligned address, so they are copied first.
+    q, k, v = (_dense_aligned(t) for t in (q, k, v))
+    # PyTorch's varlen attention takes q with heads = kv_heads * group, query head h on kv head
+    # h // group: q's [tokens, kv_heads, group, head_dim] flattened is that order.
+    o = varlen_attn(q.reshape(T, Hkv * G, D), k, v, cu, cu, longest, longest,
+                    scale=None if scale == 0 else scale, window_size=(-1, 0) if mask == "causal" else (-1, -1))
+    return o.view(T, Hkv, G, D)
 
 
 attention_varlen = define_op(
     SCHEMA,
     dims=DIMS,
     reference=attention_varlen_reference,
+    eager=attention_varlen_eager,
     test_values={"scale": [0.0, 0.3]},
     variants={"mask": ["causal", "none"]},
     index_ranges={"cu_seqlens": "tokens"},
@@ -68,43 +131,3 @@ attention_varlen = define_op(
                        {"tokens": 8192, "kv_heads": 4, "group": 4, "head_dim": 128, "bounds": 5},
                        {"tokens": 32768, "kv_heads": 8, "group": 1, "head_dim": 64, "bounds": 33}],
 )
-
-
-def _torch_varlen_call(q, k, v, cu_seqlens, mask, scale, max_seqlen):
-    from torch.nn.attention.varlen import varlen_attn
-
-    T, Hkv, G, D = q.shape
-    cu = boundaries(cu_seqlens, T).to(torch.int32)
-    longest = max_seqlen if max_seqlen > 0 else T
-    # PyTorch's varlen attention takes q with heads = kv_heads * group, query head h on kv head
-    # h // group: q's [tokens, kv_heads, group, head_dim] flattened is that order.
-    o = varlen_attn(q.reshape(T, Hkv * G, D), k, v, cu, cu, longest, longest,
-                    scale=None if scale == 0 else scale, window_size=(-1, 0) if mask == "causal" else (-1, -1))
-    return o.view(T, Hkv, G, D)
-
-
-def torch_varlen_fwd(q, k, v, cu_seqlens, mask, scale, max_seqlen):
-    return _torch_varlen_call(q, k, v, cu_seqlens, mask, scale, max_seqlen)
-
-
-def torch_varlen_bwd(grad_o, q, k, v, cu_seqlens, mask, scale, max_seqlen):
-    with torch.enable_grad():
-        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-        o = _torch_varlen_call(*leaves, cu_seqlens, mask, scale, max_seqlen)
-        return torch.autograd.grad(o, leaves, grad_o)
-
-
-def _torch_varlen_can_implement(q, k, v, cu_seqlens):
-    try:
-        import torch.nn.attention.varlen  # noqa: F401
-    except ImportError:
-        return "this PyTorch has no torch.nn.attention.varlen"
-    D = q.shape[-1]
-    if D % 8 != 0 or D > 256:
-        return f"head_dim {D}: PyTorch's varlen attention takes a multiple of 8 up to 256"
-    return True
-
-
-register_backend("attention_varlen", "torch_varlen", torch_varlen_fwd, torch_varlen_bwd,
-                 can_implement=_torch_varlen_can_implement, device="cuda",
-                 dtypes=(torch.float16, torch.bfloat16), nonempty=True)

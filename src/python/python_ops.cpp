@@ -626,24 +626,34 @@ OpId define_python_op(const py::dict& spec) {
   c.source_hash = spec["source_hash"].cast<std::string>();
   const size_t nargs = torch::jit::parseSchema(c.schema).arguments().size();
   const size_t n_out = torch::jit::parseSchema(c.schema).returns().size();
-  const std::string what = c.name + " reference";
-  auto* reference = new py::object(spec["reference"]);  // leaked: see the note at the top
-  auto run_reference = [reference, nargs, n_out, what](torch::jit::Stack& s, bool dense) {
-    py::gil_scoped_acquire gil;
-    py::tuple args = pop_args(s, nargs);
-    auto got = tensors_of(call(*reference, args, what), what);
-    TORCH_CHECK(got.size() == n_out, what, " returned ", got.size(), " tensors, the schema says ",
-                n_out);
-    for (auto& t : got) {
-      TORCH_CHECK(t.defined(), what, " returned None where a tensor was expected");
-      s.emplace_back(dense ? t.contiguous() : t);
-    }
+  // A Python function of the op's arguments, run on the stack: its tensors replace the arguments.
+  auto boxed = [nargs, n_out](const py::object& fn, const std::string& what) {
+    auto* f = new py::object(fn);  // leaked: see the note at the top
+    return [f, nargs, n_out, what](torch::jit::Stack& s, bool dense) {
+      py::gil_scoped_acquire gil;
+      py::tuple args = pop_args(s, nargs);
+      auto got = tensors_of(call(*f, args, what), what);
+      TORCH_CHECK(got.size() == n_out, what, " returned ", got.size(), " tensors, the schema says ",
+                  n_out);
+      for (auto& t : got) {
+        TORCH_CHECK(t.defined(), what, " returned None where a tensor was expected");
+        s.emplace_back(dense ? t.contiguous() : t);
+      }
+    };
   };
+  auto run_reference = boxed(spec["reference"], c.name + " reference");
+  const py::object eager = spec.contains("eager") ? py::object(spec["eager"]) : py::none();
+  const std::string eager_what = c.name + " eager backend";
   OpDeclaration d(std::move(c));
   // Meta: the reference on meta tensors (ATen ops have meta kernels), dense like every backend.
   d.reference_boxed([run_reference](torch::jit::Stack& s) { run_reference(s, false); })
       .meta_boxed([run_reference](torch::jit::Stack& s, GradRequest) { run_reference(s, true); })
       .reference_backend();
+  // The op as the plain PyTorch code a user would write: the fallback where no evidence ranks a
+  // backend, differentiated by PyTorch's autograd (OpDeclaration::eager).
+  if (!eager.is_none()) {
+    d.eager_boxed([run = boxed(eager, eager_what)](torch::jit::Stack& s) { run(s, false); });
+  }
   py::gil_scoped_release release;
   return d.install();
 }

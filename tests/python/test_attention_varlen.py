@@ -1,7 +1,8 @@
 """kg.attention's varlen form (cu_seqlens) and its op, attention_varlen: against each sequence's
 attention computed alone in float64 (forward and every gradient: empty sequences, one token, one
 sequence, grouped kv heads, both masks, a scale), the op's reading of any offsets, the fixed-length
-form as a special case, bad input, and on the GPU PyTorch's varlen kernels against the oracle. The
+form as a special case, bad input, the plain code as the fallback, and on the GPU PyTorch's varlen
+kernels against the oracle. The
 contract suite (test_contracts.py) checks the op like every other, on the generated cases."""
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import kernelgate as kg
-from kernelgate.attention_varlen import attention_varlen_reference
+from kernelgate.attention_varlen import _varlen_attn_refuses, attention_varlen_reference
 from kernelgate.testing import check_against_oracle
 
 
@@ -114,30 +115,110 @@ def _bad_calls():
     ]
 
 
+def test_a_cu_seqlens_is_read_on_the_host_once_while_unchanged(monkeypatch):
+    """Every layer of a model gets the same cu_seqlens: only its first call reads it (a device
+    sync on the GPU); an in-place change is checked again; the record does not keep the tensor."""
+    import gc
+    import weakref
+
+    from kernelgate import _ops
+
+    reads = []
+    real = _ops.check_offsets_values
+    monkeypatch.setattr(_ops, "check_offsets_values", lambda *a: reads.append(1) or real(*a))
+    q, k, v = (t.detach() for t in inputs(10, 4, 2, 8))
+    cu = torch.tensor([0, 4, 10])
+    first = kg.attention(q, k, v, True, cu_seqlens=cu)
+    for _ in range(3):
+        assert torch.equal(kg.attention(q, k, v, True, cu_seqlens=cu), first)
+    assert len(reads) == 1
+    with pytest.raises(ValueError, match=r"max_seqlen must be an int at least the longest sequence of cu_seqlens \(6\)"):
+        kg.attention(q, k, v, True, cu_seqlens=cu, max_seqlen=5)  # the recorded longest still checks
+    cu[1] = 11  # in place: checked again
+    with pytest.raises(ValueError, match=r"never decrease .* got \[0, 11, 10\]"):
+        kg.attention(q, k, v, True, cu_seqlens=cu)
+    assert len(reads) == 2
+    cu[1] = 7
+    torch.testing.assert_close(kg.attention(q, k, v, True, cu_seqlens=cu),
+                               per_sequence(q, k, v, torch.tensor([0, 7, 10]), True), rtol=1e-5, atol=1e-5)
+    gone = weakref.ref(cu)
+    del cu
+    gc.collect()
+    assert gone() is None
+
+
 @pytest.mark.parametrize("args,kwargs,error,message", _bad_calls())
 def test_bad_input_names_the_argument(args, kwargs, error, message):
     with pytest.raises(error, match=message):
         kg.attention(*args, **kwargs)
 
 
-def test_pytorchs_varlen_kernels_are_a_cuda_backend():
+def test_the_plain_code_serves_where_no_evidence_ranks_a_backend():
+    """The eager backend, the code a user would write: PyTorch's varlen attention on CUDA in 16
+    bits, the reference elsewhere; it serves calls no evidence covers (never the quadratic
+    reference of every token against every other)."""
     o = next(o for o in kg.ops() if o["name"] == "attention_varlen")
-    assert o["defined_in_python"] and [b["name"] for b in o["backends"]] == ["reference", "torch_varlen"]
+    assert o["defined_in_python"] and [(b["name"], b["kind"]) for b in o["backends"]] == [
+        ("reference", "reference"), ("eager", "eager")]
     q, k, v = (t.detach() for t in inputs(10, 4, 2, 8))
     e = kg.explain("attention_varlen", q.view(10, 2, 2, 8), k, v, torch.tensor([0, 4, 10]))
-    assert e.backend == "reference", str(e)
-    assert "cuda tensors only" in {c.backend: c.reason for c in e.candidates}["torch_varlen"], str(e)
+    assert e.backend == "eager" and "no evidence for this region" in e.reason, str(e)
+    assert _varlen_attn_refuses(q) == "PyTorch's varlen attention takes CUDA float16 and bfloat16 tensors"
+
+
+def test_the_reference_reads_the_boundaries_without_the_host_where_it_must():
+    """On meta tensors (the op's shapes under torch.compile) and traced ones the reference cannot
+    read the boundaries' values: it masks the packed tokens instead, with the same result."""
+    q, k, v = (t.detach() for t in inputs(23, 4, 2, 8, dtype=torch.float64))
+    qg, cu = q.view(23, 2, 2, 8), torch.tensor([0, 5, 5, 17, 23])
+    meta = attention_varlen_reference(*(t.to("meta") for t in (qg, k, v, cu)), "causal", 0.0, 0)
+    assert meta.shape == (23, 2, 2, 8) and meta.dtype == torch.float64
+
+    class Traced(torch.Tensor):  # a tensor subclass, as FakeTensor and FunctionalTensor are
+        pass
+
+    masked = attention_varlen_reference(qg.as_subclass(Traced), k, v, cu, "causal", 0.0, 0)
+    per_seq = attention_varlen_reference(qg, k, v, cu, "causal", 0.0, 0)
+    torch.testing.assert_close(torch.Tensor(masked), per_seq, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(per_seq.view(23, 4, 8), per_sequence(q, k, v, cu, True), rtol=1e-12, atol=1e-12)
+
+
+def test_training_through_the_op_compiles():
+    q, k, v = inputs(23, 4, 2, 8)
+    cu = torch.tensor([0, 5, 17, 23])
+    f = torch.compile(lambda q, k, v: kg.attention(q, k, v, True, cu_seqlens=cu, max_seqlen=12), backend="aot_eager",
+                      fullgraph=True)
+    o = f(q, k, v)
+    want = per_sequence(*(t.detach().double() for t in (q, k, v)), cu, True)
+    torch.testing.assert_close(o.detach().double(), want, rtol=1e-5, atol=1e-5)
+    got = torch.autograd.grad(o.sum(), (q, k, v))
+    ref = torch.autograd.grad(kg.attention(q, k, v, True, cu_seqlens=cu).sum(), (q, k, v))
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 # ---- GPU -----------------------------------------------------------------------------------------
 
+# PyTorch's varlen backward beyond the rule (read on an H100, 2026-12-07): in bfloat16, one
+# sequence of 130 tokens without the causal mask, grad of k 3.8e-2 max / rms where the budget is
+# 3.6e-2. The plain code a user would write computes this; the sweeps rank it out where it fails.
+_PLAIN_CODE_BEYOND_THE_RULE = {("torch.bfloat16", False, "[0, 130]")}
+_GPU_CASES = [
+    pytest.param(offsets, causal, dtype, marks=[pytest.mark.xfail(
+        strict=True, reason="PyTorch's varlen backward: grad of k beyond the rule")]
+        if (str(dtype), causal, str(offsets)) in _PLAIN_CODE_BEYOND_THE_RULE else [],
+        id=f"{dtype}-{causal}-{offsets}")
+    for offsets in [[0, 5, 5, 70, 130], [0, 130], [0, 1, 129, 130]] for causal in [True, False]
+    for dtype in [torch.float16, torch.bfloat16]]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("offsets", [[0, 5, 5, 70, 130], [0, 130], [0, 1, 129, 130]], ids=str)
-@pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_gpu_torch_varlen_against_the_oracle(offsets, causal, dtype):
-    """PyTorch's varlen kernels, forced, forward and every gradient against each sequence's
-    attention in float64, within the oracle rule of the reference at the dtype."""
+@pytest.mark.parametrize("offsets,causal,dtype", _GPU_CASES)
+def test_gpu_pytorchs_varlen_kernels_against_the_oracle(offsets, causal, dtype):
+    """The eager backend on the GPU (PyTorch's varlen kernels), forced, forward and every
+    gradient against each sequence's attention in float64, within the oracle rule of the
+    reference at the dtype; and it is PyTorch's kernel that ran, not the reference."""
+    assert not _varlen_attn_refuses(torch.empty(1, 1, 1, 64, device="cuda", dtype=dtype))
     q, k, v = inputs(130, 8, 2, 64, dtype=dtype, device="cuda")
     cu = torch.tensor(offsets, device="cuda")
     w = torch.randn(130, 8, 64, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
@@ -147,7 +228,7 @@ def test_gpu_torch_varlen_against_the_oracle(offsets, causal, dtype):
             o = kg.attention(q, k, v, causal, cu_seqlens=cu)
         return [o, *torch.autograd.grad((o * w.to(o.device, o.dtype)).sum(), (q, k, v))]
 
-    got, ref = run("torch_varlen"), run("reference")
+    got, ref = run("eager"), run("reference")
     q64, k64, v64 = (t.detach().double().cpu().requires_grad_() for t in (q, k, v))
     o64 = per_sequence(q64, k64, v64, cu.cpu(), causal)
     ora = [o64, *torch.autograd.grad((o64 * w).sum(), (q64, k64, v64))]

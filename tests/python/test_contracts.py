@@ -201,8 +201,10 @@ REFUSES_DOUBLE_BACKWARD = {"add_rms_norm", "rope", "linear_cross_entropy"}
 REFUSAL = r"double backward \(create_graph=True\) is not supported"
 # Ops whose plain PyTorch code PyTorch itself cannot differentiate twice: their eager backend
 # refuses as the code does without kernelgate (attention: F.scaled_dot_product_attention's fused
-# kernels have no derivative of their backward).
-EAGER_REFUSES_DOUBLE_BACKWARD = {"attention": r"derivative for aten::_scaled_dot_product_\w+_backward is not implemented"}
+# kernels have no derivative of their backward; attention_varlen: nor have its varlen kernels).
+EAGER_REFUSES_DOUBLE_BACKWARD = {
+    "attention": r"derivative for aten::_scaled_dot_product_\w+_backward is not implemented",
+    "attention_varlen": r"backward through torch_attn\._varlen_attn_backward\S* but no autograd formula was registered"}
 
 
 # Built-in backends that implement 16-bit dtypes only (ATen's flash and cuDNN attention kernels):
@@ -210,15 +212,13 @@ EAGER_REFUSES_DOUBLE_BACKWARD = {"attention": r"derivative for aten::_scaled_dot
 NARROW_BUILTINS = {("attention", "aten_flash"), ("attention", "aten_cudnn")}
 
 LIBRARY_BACKENDS = {(b.op, b.name) for b in kg.backends.BACKENDS}  # the field's libraries: CUDA only
-# Python backends of kernelgate's own modules registered with device="cuda" (PyTorch's varlen attention).
-CUDA_PYTHON_BACKENDS = {("attention_varlen", "torch_varlen")}
 
 
 def serves_device(op: str, backend: str, device: str) -> bool:
     """Backends named for a device (kernelgate_cpu, kernelgate_cuda_narrow_accum) and the field's
     libraries' (CUDA) serve only that device's tensors; every other one (reference, aten, Python
     backends) serves both."""
-    if (op, backend) in LIBRARY_BACKENDS or (op, backend) in CUDA_PYTHON_BACKENDS:
+    if (op, backend) in LIBRARY_BACKENDS:
         return device == "cuda"
     tokens = set(backend.split("_"))
     if "cpu" in tokens:
@@ -984,3 +984,30 @@ def test_without_evidence_torch_compile_traces_the_plain_pytorch_code(op, tmp_pa
     finally:
         torch._dynamo.reset()
         kg.evidence.install()
+
+
+def test_an_op_defined_from_python_takes_its_plain_code_as_its_eager_backend():
+    """kg.define_op(eager=...): the op's plain PyTorch code becomes its eager backend (served
+    without evidence, through PyTorch's autograd); its code is part of the op's definition."""
+    def reference(x, alpha):
+        acc = torch.promote_types(x.dtype, torch.float32)
+        return torch.tanh(x.to(acc) * alpha).to(x.dtype)
+
+    def plain(x, alpha):
+        return torch.tanh(x * alpha)
+
+    schema, dims = "py_plain_tanh(Tensor x, float alpha=1.0) -> Tensor", "x: [*rows, hidden]"
+    with pytest.raises(TypeError, match="eager must be callable or None, got int"):
+        kg.define_op(schema, dims=dims, reference=reference, eager=3)
+    op = kg.define_op(schema, dims=dims, reference=reference, eager=plain)
+    info = next(o for o in kg.ops() if o["name"] == "py_plain_tanh")
+    assert [(b["name"], b["kind"]) for b in info["backends"]] == [("reference", "reference"), ("eager", "eager")]
+    assert kg.define_op(schema, dims=dims, reference=reference, eager=plain) is not None  # the same: no-op
+    with pytest.raises(ValueError, match="already defined with another schema, dims, reference or eager code"):
+        kg.define_op(schema, dims=dims, reference=reference, eager=lambda x, alpha: torch.tanh(alpha * x))
+    x = torch.randn(4, 8, requires_grad=True)
+    e = kg.explain("py_plain_tanh", x, 0.5)
+    assert e.backend == "eager" and "no evidence for this region" in e.reason, str(e)
+    y = op(x, 0.5)
+    assert type(y.grad_fn).__name__ == "TanhBackward0"  # PyTorch's autograd recorded the plain code
+    torch.testing.assert_close(y, torch.tanh(x * 0.5))
