@@ -66,6 +66,35 @@ def _code_hash(*fns: Optional[Callable]) -> str:
     return h.hexdigest()[:16]
 
 
+def _code_names(code) -> set:
+    """The global names a code object and the functions nested in it read."""
+    names = set(code.co_names)
+    for c in code.co_consts:
+        if inspect.iscode(c):
+            names |= _code_names(c)
+    return names
+
+
+def _closure_hash(*fns: Optional[Callable]) -> str:
+    """_code_hash of the functions and of every function of their own modules that they call,
+    transitively (a helper's change changes what the op computes): the given functions first, in
+    order, then the helpers by qualified name."""
+    given = [f for f in fns if f is not None]
+    helpers, stack = {}, list(given)
+    while stack:
+        fn = stack.pop()
+        code, scope = getattr(fn, "__code__", None), getattr(fn, "__globals__", None)
+        if code is None or scope is None:
+            continue
+        for name in _code_names(code):
+            obj = scope.get(name)
+            if (inspect.isfunction(obj) and obj.__module__ == fn.__module__ and obj not in given
+                    and (obj.__module__, obj.__qualname__) not in helpers):
+                helpers[(obj.__module__, obj.__qualname__)] = obj
+                stack.append(obj)
+    return _code_hash(*given, *(helpers[k] for k in sorted(helpers)))
+
+
 def requirements(op: dict, device: Optional[str], dtypes: Optional[Sequence[torch.dtype]],
                  variants: Optional[Dict[str, Sequence[str]]], present: Sequence[str],
                  capturable: bool, nonempty: bool = False, max_row_bytes: Optional[int] = None,
@@ -258,9 +287,9 @@ def define_op(schema: str, *, dims: str, reference: Callable,
     if eager is not None and not callable(eager):
         raise TypeError(f"eager must be callable or None, got {type(eager).__name__}")
     name = schema.split("(", 1)[0].strip()
-    # The code that computes: the reference, and the eager code where given (an op without one
-    # keeps the hash it had before eager backends existed).
-    code = _code_hash(reference) + ("" if eager is None else _code_hash(eager))
+    # The code that computes: the reference and the eager code where given, with the functions
+    # of their modules they call.
+    code = _closure_hash(reference, eager)
     given = (schema, dims, code)
     if name in _defined:
         if _defined[name] == given:

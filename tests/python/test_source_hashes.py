@@ -79,3 +79,42 @@ def test_every_op_has_a_hash_of_its_own_files():
         files = set(_C.op_source_files(info["name"]))
         assert files - SHARED, f"{info['name']}: no file of its own in its source hash"
         assert len(_C.fingerprint(info["name"])["source_hash"]) == 16
+
+
+def _module(tmp_path, name, source):
+    path = tmp_path / f"{name}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_python_defined_ops_hash_covers_the_helpers_of_its_module_it_calls(tmp_path):
+    """The code hash of kg.define_op: its reference and eager code and every function of their
+    module they call, transitively, so a helper's change makes the op's evidence stale; a comment
+    does not, nor does a function they do not call."""
+    from kernelgate._define import _closure_hash
+
+    base = (
+        "import torch\n"
+        "def _inner(x):\n    return x * 2\n"
+        "def _helper(x):\n    return _inner(x) + 1\n"
+        "def _unused(x):\n    return x\n"
+        "def reference(x):\n    return torch.tanh(_helper(x))\n"
+        "def eager(x):\n    return reference(x)\n")
+    variants = {
+        "base": base,
+        "comment": base.replace("return x * 2", "return x * 2  # doubled"),
+        "unused": base.replace("def _unused(x):\n    return x", "def _unused(x):\n    return x + 3"),
+        "inner": base.replace("return x * 2", "return x * 3"),
+        "helper": base.replace("_inner(x) + 1", "_inner(x) + 2"),
+    }
+    hashes = {}
+    for i, (name, source) in enumerate(variants.items()):
+        m = _module(tmp_path, f"closure_{i}", source)
+        hashes[name] = (_closure_hash(m.reference), _closure_hash(m.reference, m.eager))
+    assert hashes["comment"] == hashes["base"] and hashes["unused"] == hashes["base"]
+    assert len({hashes[k][0] for k in ("base", "inner", "helper")}) == 3
+    assert len({hashes[k][1] for k in ("base", "inner", "helper")}) == 3
+    assert hashes["base"][0] != hashes["base"][1]  # the eager code counts too
