@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 import kernelgate as kg
 from kernelgate import _C
+from bench_causal_conv1d import eager as plain_conv
 from common import environment, plain_rope, print_table, time_ms, write_json
 
 
@@ -80,6 +81,11 @@ def cases(dev, dt):
 
         return varlen_attn(q, k, v, cu, cu, longest, longest, window_size=(-1, 0))  # causal, grouped kv heads
 
+    def conv_inputs():  # bench_causal_conv1d.py's shape: B4 T4096 D8192 W4, silu
+        x = torch.randn(4, 4096, 8192, device=dev, dtype=dt, requires_grad=True)
+        w = torch.randn(8192, 4, device=dev, dtype=dt, requires_grad=True)
+        return (x, w, None, "silu"), [x, w]
+
     return [
         ("rms_norm", lambda x, w: F.rms_norm(x, (x.shape[-1],), w, 1e-6), norm_inputs),
         ("layer_norm", lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, b, 1e-5),
@@ -97,6 +103,7 @@ def cases(dev, dt):
         ("attention", lambda q, k, v, c: F.scaled_dot_product_attention(q, k, v, is_causal=c, enable_gqa=True),
          attention_inputs),
         ("attention_varlen", plain_varlen, varlen_inputs),
+        ("causal_conv1d", lambda x, w, b, act: plain_conv(act)(x, w), conv_inputs),
     ]
 
 
