@@ -212,8 +212,7 @@ def _attention_varlen(q, k, v, causal, scale, cu_seqlens, max_seqlen) -> torch.T
     longest, cu_seqlens = _check_cu_seqlens(cu_seqlens, tokens, q.device, values=not torch.compiler.is_compiling())
     if max_seqlen is None:
         max_seqlen = tokens if longest is None else longest
-    elif (not isinstance(max_seqlen, int) or isinstance(max_seqlen, bool) or max_seqlen < (longest or 0)
-          or max_seqlen < 0):
+    elif not isinstance(max_seqlen, int) or isinstance(max_seqlen, bool) or max_seqlen < (longest or 0):
         raise ValueError(f"kg.attention: max_seqlen must be an int at least the longest sequence of cu_seqlens "
                          f"({'unknown while traced' if longest is None else longest}), got {max_seqlen!r}")
     from .attention_varlen import attention_varlen

@@ -80,6 +80,9 @@ def attention_varlen_reference(q, k, v, cu_seqlens, mask, scale, max_seqlen):
     return o.to(dtype)
 
 
+_HAS_VARLEN_ATTN = importlib.util.find_spec("torch.nn.attention.varlen") is not None
+
+
 def _varlen_attn_refuses(q) -> str:
     """Why PyTorch's varlen attention cannot take the call ("" if it can)."""
     if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
@@ -88,7 +91,7 @@ def _varlen_attn_refuses(q) -> str:
         return f"head_dim {q.shape[-1]}: PyTorch's varlen attention takes a multiple of 8 up to 256"
     if q.numel() == 0:
         return "no tokens"
-    if importlib.util.find_spec("torch.nn.attention.varlen") is None:
+    if not _HAS_VARLEN_ATTN:
         return "this PyTorch has no torch.nn.attention.varlen"
     return ""
 

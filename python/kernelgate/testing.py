@@ -61,6 +61,23 @@ def check_against_oracle(
     return {k: v for k, v in m.items() if k != "failure"}
 
 
+def device_syncs(fn: Callable[[], object]) -> int:
+    """How many device-to-host syncs fn() makes (PyTorch's sync debug mode, as warnings)."""
+    import warnings
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    # Only the warnings of a sync: PyTorch also warns, once per process, that the mode is a
+    # prototype ("... does not yet detect all synchronizing operations").
+    return sum("called a synchronizing" in str(w.message) for w in seen)
+
+
 def poison_cuda_allocator(device: torch.device, nbytes: int = 1 << 26) -> None:
     """Fills free blocks of the caching allocator with NaN, so that an output element a kernel
     never writes reads as NaN (and fails the NaN-pattern check) instead of a lucky zero."""

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import kernelgate as kg
 from kernelgate.attention_varlen import _varlen_attn_refuses, attention_varlen_reference
-from kernelgate.testing import check_against_oracle
+from kernelgate.testing import check_against_oracle, device_syncs
 
 
 def per_sequence(q, k, v, cu, causal, scale=None):
@@ -242,21 +242,8 @@ def test_gpu_a_model_step_reads_cu_seqlens_on_the_host_once():
     sync), the others, forward and backward, sync no more than PyTorch's varlen attention called
     directly (the fallback bench measured 1.51x the plain code while every call synced).
     Not run on a GPU yet."""
-    import warnings
-
     q, k, v = inputs(4096, 8, 2, 64, dtype=torch.bfloat16, device="cuda")
     cu = torch.tensor([0, 1000, 1000, 3000, 4096], device="cuda", dtype=torch.int32)
-
-    def syncs(fn):
-        torch.cuda.synchronize()
-        with warnings.catch_warnings(record=True) as seen:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                fn()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        return sum("called a synchronizing" in str(w.message) for w in seen)
 
     def layer(attend):
         o = attend()
@@ -269,6 +256,6 @@ def test_gpu_a_model_step_reads_cu_seqlens_on_the_host_once():
 
     routed = lambda: kg.attention(q, k, v, True, cu_seqlens=cu, max_seqlen=2000)  # noqa: E731
     layer(plain)  # warm
-    own = syncs(lambda: [layer(plain) for _ in range(3)])
-    assert syncs(lambda: layer(routed)) >= 1 + own // 3  # the first call reads cu_seqlens
-    assert syncs(lambda: [layer(routed) for _ in range(3)]) == own
+    own = device_syncs(lambda: [layer(plain) for _ in range(3)])
+    assert device_syncs(lambda: layer(routed)) >= 1 + own // 3  # the first call reads cu_seqlens
+    assert device_syncs(lambda: [layer(routed) for _ in range(3)]) == own

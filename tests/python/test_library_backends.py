@@ -18,6 +18,7 @@ import torch
 
 import kernelgate as kg
 from kernelgate import backends
+from kernelgate.testing import device_syncs
 
 INFO = {o["name"]: o for o in kg.ops()}
 BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "bench")
@@ -401,21 +402,6 @@ def test_adapter_code_hash_ignores_comments():
 
 # ---- GPU: no sync beyond the library's own -----------------------------------------------------------
 
-def _syncs(fn):
-    """Device-to-host syncs `fn` makes (PyTorch's sync debug mode, as warnings)."""
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    # Only the warnings of a sync: PyTorch also warns, once per process, that the mode is a
-    # prototype ("... does not yet detect all synchronizing operations").
-    return sum("called a synchronizing" in str(w.message) for w in seen)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("op,name", [(b.op, b.name) for b in backends.BACKENDS], ids=lambda v: str(v))
 def test_gpu_a_routed_library_call_syncs_no_more_than_the_library(op, name):
@@ -441,7 +427,7 @@ def test_gpu_a_routed_library_call_syncs_no_more_than_the_library(op, name):
     routed(), library()  # compiled and autotuned outside the count
     with kg.use(force={op: name}):
         assert kg.explain(op, *args).backend == name
-    assert _syncs(routed) <= _syncs(library)
+    assert device_syncs(routed) <= device_syncs(library)
 
 
 # ---- warmup and the CUDA-graph rule for JIT (Python) backends -------------------------------------
