@@ -227,10 +227,17 @@ struct RoutedOp {
     const CallView call = view_forward(args, training);
     const BoundDims dims = check_call(contract(), call);
     if (check) check(s, need);
-    const BackendImpl& impl = *entry->backends[Dispatcher::get().select(id, call, dims)].impl;
+    const int pick = Dispatcher::get().select(id, call, dims);
     const at::TensorOptions like = first_options(call);  // the call's tensors are popped below
     const auto args_held = held(call);
-    impl.forward(s, need);
+    if (!training && pick == eager_index) {
+      // A call of the op itself returns no extras (finish_forward drops them): the plain code
+      // serves it, whatever autograd the op has.
+      eager(s);
+      for (int j = 0; j < n_extra; ++j) s.emplace_back(Tensor());
+    } else {
+      entry->backends[pick].impl->forward(s, need);
+    }
     keep_output_layouts(s, args_held, n_extra);
     finish_forward(s, like, training);
   }
@@ -645,9 +652,10 @@ class ReferenceAutograd final : public BackendImpl {
 };
 
 // ---- the eager backend (eager()) -----------------------------------------------------------
-// Served with autograd by autograd_forward itself. Through the routers it serves calls that need
-// no gradient; a training forward or a backward routed to it (only a direct call of _<op>_fwd /
-// _<op>_bwd can do that) is the reference's, whose extras and backward agree.
+// Served with autograd by autograd_forward itself, and a call of the op that needs no gradient
+// by route_forward. A call of _<op>_fwd / _<op>_bwd routed to it is the reference's, whose
+// extras and backward agree: a training forward, and any _<op>_fwd of an op with its own
+// autograd, which may read the extras without gradients (linear_cross_entropy's lse).
 class EagerBackend final : public BackendImpl {
  public:
   explicit EagerBackend(const RoutedOp* op) : op_(op) {}

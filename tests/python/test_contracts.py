@@ -943,6 +943,28 @@ def test_without_evidence_the_eager_backend_serves_through_pytorchs_autograd(op,
 
 
 @pytest.mark.parametrize("op", [o for o in OPS if any(b["kind"] == "eager" for b in INFO[o]["backends"])])
+def test_without_evidence_a_call_needing_no_gradient_runs_the_plain_code_too(op, tmp_path):
+    """With no evidence, a call needing no gradient dispatches the ATen ops of the plain code, as
+    the call needing gradients does (there PyTorch's autograd records the plain code itself), and
+    none of another backend's: linear_cross_entropy's such calls once ran its reference."""
+    try:
+        _C.use_evidence(str(tmp_path / "none.sqlite"), [])
+        (cid, enc), *_ = cases(op, grad="1")
+        args, _ = call_args(enc, "cpu")
+
+        def aten_ops(grad: bool) -> set:
+            with torch.set_grad_enabled(grad), torch.profiler.profile(activities=[
+                    torch.profiler.ProfilerActivity.CPU]) as prof:
+                op_fn(op)(*args)
+            return {e.name for e in prof.events() if e.name.startswith("aten::")}
+
+        with_grad, without = aten_ops(True), aten_ops(False)
+        assert without and without <= with_grad, (cid, sorted(without - with_grad))
+    finally:
+        kg.evidence.install()
+
+
+@pytest.mark.parametrize("op", [o for o in OPS if any(b["kind"] == "eager" for b in INFO[o]["backends"])])
 def test_without_evidence_torch_compile_traces_the_plain_pytorch_code(op, tmp_path):
     """Inside torch.compile, where no evidence ranks a backend, the graph holds the eager
     backend's plain PyTorch code (which the compiler fuses as it would the user's own), not the
