@@ -30,6 +30,7 @@ backend it is swept against the oracle.
 import importlib.util
 
 import torch
+import torch.utils.weak
 
 from ._define import define_op
 
@@ -102,13 +103,34 @@ def _dense_aligned(t: torch.Tensor) -> torch.Tensor:
     return t.clone() if type(t) is torch.Tensor and t.data_ptr() % 16 else t
 
 
+# The boundaries of a cu_seqlens tensor as PyTorch's varlen attention takes them (int32), made
+# once per tensor, tokens and stream while the tensor is unchanged: a model's layers share one
+# cu_seqlens per step, and making them is six small kernels a call. Keyed by the tensor itself
+# (its version counter tells an in-place change). Not where values are traced or captured: a
+# CUDA graph's replays must recompute them from what its cu_seqlens then holds.
+_INT32_BOUNDARIES: "torch.utils.weak.WeakIdKeyDictionary" = torch.utils.weak.WeakIdKeyDictionary()
+
+
+def _int32_boundaries(cu_seqlens: torch.Tensor, tokens: int) -> torch.Tensor:
+    if _no_host_values(cu_seqlens):
+        return boundaries(cu_seqlens, tokens).to(torch.int32)
+    stream = torch.cuda.current_stream(cu_seqlens.device).stream_id if cu_seqlens.is_cuda else None
+    key = (cu_seqlens._version, tokens, stream)
+    seen = _INT32_BOUNDARIES.get(cu_seqlens)
+    if seen is not None and seen[0] == key:
+        return seen[1]
+    cu = boundaries(cu_seqlens, tokens).to(torch.int32)
+    _INT32_BOUNDARIES[cu_seqlens] = (key, cu)  # a new tensor: an entry holding its key would never go
+    return cu
+
+
 def attention_varlen_eager(q, k, v, cu_seqlens, mask, scale, max_seqlen):
     if _varlen_attn_refuses(q):
         return attention_varlen_reference(q, k, v, cu_seqlens, mask, scale, max_seqlen)
     from torch.nn.attention.varlen import varlen_attn
 
     T, Hkv, G, D = q.shape
-    cu = boundaries(cu_seqlens, T).to(torch.int32)
+    cu = _int32_boundaries(cu_seqlens, T)
     longest = max_seqlen if max_seqlen > 0 else T
     # Its kernels read 16-byte rows of dense tensors: strided or misaligned inputs (a view at an
     # odd offset) fault with a misaligned address, so they are copied first.
