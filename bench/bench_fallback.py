@@ -98,12 +98,16 @@ def cases(dev, dt):
         ("qk_norm_rope", lambda q, k, qw, kw, c, s: plain_rope(F.rms_norm(q, (128,), qw, 1e-6),
                                                              F.rms_norm(k, (128,), kw, 1e-6), c, s),
          lambda: rope_inputs(True)),
-        ("cross_entropy", lambda x, t: F.cross_entropy(x, t), ce_inputs),
+        # The op's loss: F.cross_entropy on the float32 logits, in the logits' dtype (its eager
+        # code, docs/evidence.md), as Hugging Face's models upcast before it.
+        ("cross_entropy", lambda x, t: F.cross_entropy(x.float(), t).to(x.dtype), ce_inputs),
         ("linear_cross_entropy", lambda h, w, t: F.cross_entropy(F.linear(h, w).float(), t), lce_inputs),
         ("attention", lambda q, k, v, c: F.scaled_dot_product_attention(q, k, v, is_causal=c, enable_gqa=True),
          attention_inputs),
         ("attention_varlen", plain_varlen, varlen_inputs),
-        ("causal_conv1d", lambda x, w, b, act: plain_conv(act)(x, w), conv_inputs),
+        # Dense [B, T, D], as the op returns it: conv1d's [B, D, T] transposed back is a strided
+        # view whose copy the model's next reshape (and the backward) pays instead.
+        ("causal_conv1d", lambda x, w, b, act: plain_conv(act)(x, w).contiguous(), conv_inputs),
     ]
 
 
