@@ -248,7 +248,16 @@ def _check_cu_seqlens(cu_seqlens, tokens: int, device: torch.device,
     # The entry must not hold the tensor it is keyed by (it would never be freed).
     _CHECKED_OFFSETS[cu_seqlens] = (cu_seqlens._version, tokens, device, longest,
                                     None if on_device is cu_seqlens else on_device)
+    if on_device is not cu_seqlens:  # the copy the op gets is checked too
+        _CHECKED_OFFSETS[on_device] = (on_device._version, tokens, device, longest, None)
     return longest, on_device
+
+
+def offsets_checked(cu_seqlens: torch.Tensor, tokens: int) -> bool:
+    """Whether kg.attention checked this cu_seqlens tensor for `tokens` tokens and it is unchanged
+    since: then it starts at 0, never decreases and ends at tokens."""
+    seen = _CHECKED_OFFSETS.get(cu_seqlens)
+    return seen is not None and seen[:2] == (cu_seqlens._version, tokens)
 
 
 def check_offsets_tensor(offsets, what: str, name: str) -> None:

@@ -33,6 +33,7 @@ import torch
 import torch.utils.weak
 
 from ._define import define_op
+from ._ops import offsets_checked
 
 SCHEMA = ("attention_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, str mask=\"causal\", "
           "float scale=0.0, int max_seqlen=0) -> Tensor")
@@ -103,23 +104,30 @@ def _dense_aligned(t: torch.Tensor) -> torch.Tensor:
     return t.clone() if type(t) is torch.Tensor and t.data_ptr() % 16 else t
 
 
-# The boundaries of a cu_seqlens tensor as PyTorch's varlen attention takes them (int32), made
-# once per tensor, tokens and stream while the tensor is unchanged: a model's layers share one
-# cu_seqlens per step, and making them is six small kernels a call. Keyed by the tensor itself
-# (its version counter tells an in-place change). Not where values are traced or captured: a
-# CUDA graph's replays must recompute them from what its cu_seqlens then holds.
+# The boundaries of a cu_seqlens tensor as PyTorch's varlen attention takes them (int32, dense).
+# A cu_seqlens that kg.attention checked (0, never decreasing, tokens) is its own boundaries; any
+# other gets 0 and tokens added (boundaries()), two empty sequences where it already has them, for
+# which the kernels still size per-sequence buffers. Made once per tensor, tokens and stream
+# while the tensor is unchanged: a model's layers share one cu_seqlens per step, and making them
+# is up to six small kernels a call. Keyed by the tensor itself (its version counter tells an
+# in-place change). Not where values are traced or captured: a CUDA graph's replays must
+# recompute them from what its cu_seqlens then holds.
 _INT32_BOUNDARIES: "torch.utils.weak.WeakIdKeyDictionary" = torch.utils.weak.WeakIdKeyDictionary()
 
 
 def _int32_boundaries(cu_seqlens: torch.Tensor, tokens: int) -> torch.Tensor:
     if _no_host_values(cu_seqlens):
         return boundaries(cu_seqlens, tokens).to(torch.int32)
+    checked = offsets_checked(cu_seqlens, tokens)
+    if checked and cu_seqlens.dtype == torch.int32 and cu_seqlens.is_contiguous():
+        return cu_seqlens
     stream = torch.cuda.current_stream(cu_seqlens.device).stream_id if cu_seqlens.is_cuda else None
-    key = (cu_seqlens._version, tokens, stream)
+    key = (cu_seqlens._version, tokens, stream, checked)
     seen = _INT32_BOUNDARIES.get(cu_seqlens)
     if seen is not None and seen[0] == key:
         return seen[1]
-    cu = boundaries(cu_seqlens, tokens).to(torch.int32)
+    cu = (cu_seqlens.to(torch.int32).contiguous() if checked
+          else boundaries(cu_seqlens, tokens).to(torch.int32))
     _INT32_BOUNDARIES[cu_seqlens] = (key, cu)  # a new tensor: an entry holding its key would never go
     return cu
 

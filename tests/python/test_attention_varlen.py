@@ -151,7 +151,8 @@ def test_the_eager_code_makes_a_cu_seqlens_boundaries_once_while_unchanged():
     """PyTorch's varlen attention takes the boundaries in int32: the eager code makes them once
     per cu_seqlens (six small kernels a call otherwise: 1.036x the plain code's forward on an
     H100), again after an in-place change or for another token count, and its record does not
-    keep the tensor."""
+    keep the tensor. A cu_seqlens kg.attention checked is its own boundaries, without the two
+    empty sequences that 0 and tokens added make (the kernels size buffers per sequence)."""
     import gc
     import weakref
 
@@ -164,6 +165,16 @@ def test_the_eager_code_makes_a_cu_seqlens_boundaries_once_while_unchanged():
     assert _int32_boundaries(cu, 12).tolist() == [0, 0, 4, 10, 12]
     cu[1] = 6  # in place
     assert _int32_boundaries(cu, 10).tolist() == [0, 0, 6, 10, 10]
+    q, k, v = (t.detach() for t in inputs(10, 4, 2, 8))
+    kg.attention(q, k, v, True, cu_seqlens=cu)  # checked: int64, made int32 once
+    assert _int32_boundaries(cu, 10).tolist() == [0, 6, 10]
+    assert _int32_boundaries(cu, 10) is _int32_boundaries(cu, 10)
+    assert _int32_boundaries(cu, 9).tolist() == [0, 0, 6, 9, 9]  # not what was checked
+    cu32 = torch.tensor([0, 3, 10], dtype=torch.int32)
+    kg.attention(q, k, v, False, cu_seqlens=cu32)
+    assert _int32_boundaries(cu32, 10) is cu32
+    cu32[1] = 2  # in place: no longer the checked tensor
+    assert _int32_boundaries(cu32, 10).tolist() == [0, 0, 2, 10, 10]
     gone = weakref.ref(cu)
     del cu
     gc.collect()
