@@ -94,6 +94,11 @@ struct RoutedOp {
   // The op as plain PyTorch code (OpDeclaration::eager) and its backend's local index, or -1.
   std::function<void(Stack&)> eager;
   int eager_index = -1;
+  // The plain code as a forward that needs no gradient: its outputs, and no extras.
+  void forward_eager(Stack& s) const {
+    eager(s);
+    for (int j = 0; j < n_extra; ++j) s.emplace_back(Tensor());
+  }
   bool custom_autograd = false;  // OpDeclaration::custom_autograd: the op's own Autograd kernel
   c10::OperatorHandle* fwd = nullptr;
   c10::OperatorHandle* bwd = nullptr;
@@ -233,8 +238,7 @@ struct RoutedOp {
     if (!training && pick == eager_index) {
       // A call of the op itself returns no extras (finish_forward drops them): the plain code
       // serves it, whatever autograd the op has.
-      eager(s);
-      for (int j = 0; j < n_extra; ++j) s.emplace_back(Tensor());
+      forward_eager(s);
     } else {
       entry->backends[pick].impl->forward(s, need);
     }
@@ -664,8 +668,7 @@ class EagerBackend final : public BackendImpl {
     // A training forward (and any forward of an op with its own autograd, which may read the
     // extras without gradients: linear_cross_entropy's lse) is the reference's.
     if (need.any() || op_->custom_autograd) return op_->entry->backends[0].impl->forward(s, need);
-    op_->eager(s);
-    for (int j = 0; j < op_->n_extra; ++j) s.emplace_back(Tensor());
+    op_->forward_eager(s);
   }
   void backward(Stack& s, GradRequest need) const override {
     op_->entry->backends[0].impl->backward(s, need);
