@@ -93,11 +93,15 @@ def gated_delta_rule_reference(q, k, v, g, beta, A_log, dt_bias, initial_state, 
         return torch.baddbmm(x.reshape(BH, *x.shape[2:]), m1.reshape(BH, *m1.shape[2:]),
                              m2.reshape(BH, *m2.shape[2:]), alpha=alpha).view(*x.shape)
 
+    # Per-chunk views by one unbind each: indexing x[:, :, n] in the loop would make autograd
+    # scatter every chunk's gradient into a zero tensor of x's full size (N^2 work in backward);
+    # unbind's backward stacks them once.
+    U0n, Wn, eGn, Qn, qkn, eGCn, Kendn = (x.unbind(2) for x in (U0, W, eG, Q, qk, eGC, Kend))
     outs = []
     for n in range(N):
-        U = bmm_add(U0[:, :, n], W[:, :, n], S, alpha=-1.0)
-        outs.append(bmm_add(eG[:, :, n] * (Q[:, :, n] @ S), qk[:, :, n], U))
-        S = bmm_add(eGC[:, :, n] * S, Kend[:, :, n].transpose(-1, -2), U)
+        U = bmm_add(U0n[n], Wn[n], S, alpha=-1.0)
+        outs.append(bmm_add(eGn[n] * (Qn[n] @ S), qkn[n], U))
+        S = bmm_add(eGCn[n] * S, Kendn[n].transpose(-1, -2), U)
     o = s * torch.stack(outs, dim=2)
     o = o.reshape(B, H, N * C, V)[:, :, :T].movedim(1, 2)
     return o.to(v.dtype), S

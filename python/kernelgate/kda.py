@@ -88,11 +88,13 @@ def kda_reference(q, k, v, g, beta, A_log, dt_bias, initial_state, scale):
         return torch.baddbmm(x.reshape(BH, *x.shape[2:]), m1.reshape(BH, *m1.shape[2:]),
                              m2.reshape(BH, *m2.shape[2:]), alpha=alpha).view(*x.shape)
 
+    # Per-chunk views by one unbind each (gated_delta_rule's reason: no N^2 work in backward).
+    U0n, Wn, Qdn, Pn, eGCn, Kendn = (x.unbind(2) for x in (U0, W, Qd, P, eGC, Kend))
     outs = []
     for n in range(N):
-        U = bmm_add(U0[:, :, n], W[:, :, n], S, alpha=-1.0)
-        outs.append(bmm_add(Qd[:, :, n] @ S, P[:, :, n], U))
-        S = bmm_add(eGC[:, :, n] * S, Kend[:, :, n].transpose(-1, -2), U)
+        U = bmm_add(U0n[n], Wn[n], S, alpha=-1.0)
+        outs.append(bmm_add(Qdn[n] @ S, Pn[n], U))
+        S = bmm_add(eGCn[n] * S, Kendn[n].transpose(-1, -2), U)
     o = s * torch.stack(outs, dim=2)
     o = o.reshape(B, H, N * C, V)[:, :, :T].movedim(1, 2)
     return o.to(v.dtype), S
