@@ -76,10 +76,17 @@ def _code_names(code) -> set:
 
 
 def _closure_hash(*fns: Optional[Callable]) -> str:
-    """_code_hash of the functions and of every function of their own modules that they call,
-    transitively (a helper's change changes what the op computes): the given functions first, in
-    order, then the helpers by qualified name."""
+    """_code_hash of the functions and of every function or class (an autograd.Function, say) of
+    their own modules or of this package that they use, transitively (a helper's change changes
+    what the op computes): the given functions first, in order, then the helpers by qualified
+    name. A class's methods are followed too."""
     given = [f for f in fns if f is not None]
+    own = {f.__module__ for f in given} | {__name__.rpartition(".")[0]}
+
+    def ours(obj) -> bool:
+        mod = getattr(obj, "__module__", None) or ""
+        return mod in own or mod.startswith(__name__.rpartition(".")[0] + ".")
+
     helpers, stack = {}, list(given)
     while stack:
         fn = stack.pop()
@@ -88,9 +95,14 @@ def _closure_hash(*fns: Optional[Callable]) -> str:
             continue
         for name in _code_names(code):
             obj = scope.get(name)
-            if (inspect.isfunction(obj) and obj.__module__ == fn.__module__ and obj not in given
-                    and (obj.__module__, obj.__qualname__) not in helpers):
-                helpers[(obj.__module__, obj.__qualname__)] = obj
+            if (not (inspect.isfunction(obj) or inspect.isclass(obj)) or not ours(obj)
+                    or obj in given or (obj.__module__, obj.__qualname__) in helpers):
+                continue
+            helpers[(obj.__module__, obj.__qualname__)] = obj
+            if inspect.isclass(obj):
+                stack.extend(inspect.unwrap(m) for m in (getattr(v, "__func__", v) for v in vars(obj).values())
+                             if inspect.isfunction(m))
+            else:
                 stack.append(obj)
     return _code_hash(*given, *(helpers[k] for k in sorted(helpers)))
 

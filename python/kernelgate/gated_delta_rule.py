@@ -23,17 +23,20 @@ A_ts = b_t exp(G_t - G_s) k_t.k_s for s < t (unit lower triangular: torch's tria
 o = scale (diag(exp G) Q S_0 + (exp(G_t - G_s) q_t.k_s)_{s<=t} U), and the chunk's final state
 is exp(G_C) S_0 + K^T diag(exp(G_C - G)) U. The triangular systems of every chunk are solved at
 once, before the pass over the chunks (U = U0 - W S_0 with U0 = (I + A)^-1 diag(b) V and
-W = (I + A)^-1 diag(b exp G) K, which need no state): the pass is four batched matmuls per chunk,
-so a long sequence launches few kernels per 64 steps. Every exponent is <= 0 (the decays are masked
-before exp), so nothing overflows; a sequence not a multiple of 64 is padded with steps of
-decay 0 and b = 0, which leave the state as it is. Its gradients are autograd's through that
-code; tests/python/test_gated_delta_rule.py checks it against the step-by-step recurrence in
-float64.
+W = (I + A)^-1 diag(b exp G) K, which need no state). The pass over the chunks is then the linear
+recurrence S' = (exp(G_C) I - Kend^T W) S + Kend^T U0 (Kend: the keys decayed to the chunk's
+end), one batched matmul per chunk forward and one backward (kernelgate._state_scan), and every
+chunk's output comes from its entering state at once. Every exponent is <= 0 (the decays are
+masked before exp), so nothing overflows; a sequence not a multiple of 64 is padded with steps of
+decay 0 and b = 0, which leave the state as it is. Its gradients are autograd's through that code
+(the state pass's written out); tests/python/test_gated_delta_rule.py checks it against the
+step-by-step recurrence in float64.
 """
 
 import torch
 
 from ._define import define_op
+from ._state_scan import state_scan
 
 SCHEMA = ("gated_delta_rule(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor A_log, "
           "Tensor? dt_bias=None, Tensor? initial_state=None, float scale=0.0) -> (Tensor, Tensor)")
@@ -53,19 +56,20 @@ def gated_delta_rule_reference(q, k, v, g, beta, A_log, dt_bias, initial_state, 
     N = max(1, -(-T // C))
     pad = N * C - T
 
-    def heads_first(x, fill=0.0):  # [B, T, H, ...] -> [B, H, N, C, ...] in acc, padded at the end
-        x = x.to(acc).movedim(2, 1)
+    def chunks(x, fill=0.0):  # [B, T, H, ...] -> [N, B, H, C, ...] in acc, padded at the end
+        x = x.to(acc)
         if pad:
-            x = torch.cat([x, x.new_full((B, H, pad) + x.shape[3:], fill)], dim=2)
-        return x.reshape((B, H, N, C) + x.shape[3:])
+            x = torch.cat([x, x.new_full((B, pad) + x.shape[2:], fill)], dim=1)
+        x = x.reshape((B, N, C) + x.shape[2:])
+        return x.permute(1, 0, 3, 2, *range(4, x.dim())).contiguous()
 
     qf, kf = q.to(acc), k.to(acc)
     qf = qf * torch.rsqrt((qf * qf).sum(-1, keepdim=True) + 1e-6)
     kf = kf * torch.rsqrt((kf * kf).sum(-1, keepdim=True) + 1e-6)
     x = g.to(acc) if dt_bias is None else g.to(acc) + dt_bias.to(acc)
     decay = -torch.exp(A_log.to(acc)) * F.softplus(x)  # [B, T, H]
-    Q, Kc, Vc = heads_first(qf), heads_first(kf), heads_first(v)
-    a, b = heads_first(decay), heads_first(torch.sigmoid(beta.to(acc)))  # [B, H, N, C]
+    Q, Kc, Vc = chunks(qf), chunks(kf), chunks(v)
+    a, b = chunks(decay), chunks(torch.sigmoid(beta.to(acc)))  # [N, B, H, C]
     G = a.cumsum(-1)
     t_idx = torch.arange(C, device=q.device)
     lower = t_idx[:, None] > t_idx[None, :]
@@ -74,7 +78,7 @@ def gated_delta_rule_reference(q, k, v, g, beta, A_log, dt_bias, initial_state, 
     # masked_fill with a Python scalar: no host-to-device copy (a CUDA graph captures it)
     D_strict = torch.exp(diff.masked_fill(~lower, float("-inf")))
     D_incl = torch.exp(diff.masked_fill(~lower_eq, float("-inf")))
-    kk = Kc @ Kc.transpose(-1, -2)  # [B, H, N, C, C]
+    kk = Kc @ Kc.transpose(-1, -2)  # [N, B, H, C, C]
     A = b[..., :, None] * D_strict * kk
     eye = torch.eye(C, dtype=acc, device=q.device)
     eG = torch.exp(G)[..., None]
@@ -82,29 +86,17 @@ def gated_delta_rule_reference(q, k, v, g, beta, A_log, dt_bias, initial_state, 
     UW = torch.linalg.solve_triangular(eye + A, torch.cat([b[..., None] * Vc, (b[..., None] * eG) * Kc], -1),
                                        upper=False, unitriangular=True)
     U0, W = UW[..., :V], UW[..., V:]
-    Kend = Kc * torch.exp(G[..., -1:] - G)[..., None]  # keys decayed to the chunk's end
-    eGC = torch.exp(G[..., -1])[..., None, None]  # [B, H, N, 1, 1]
+    Kend_t = (Kc * torch.exp(G[..., -1:] - G)[..., None]).transpose(-1, -2)  # keys decayed to the chunk's end
+    eGC = torch.exp(G[..., -1])[..., None, None]  # [N, B, H, 1, 1]
     qk = (Q @ Kc.transpose(-1, -2)) * D_incl
-    S = (torch.zeros(B, H, K, V, dtype=acc, device=q.device) if initial_state is None
-         else initial_state.to(acc))
-    BH = B * H
-
-    def bmm_add(x, m1, m2, alpha=1.0):  # x + alpha * m1 @ m2, batched over [B, H]: one kernel
-        return torch.baddbmm(x.reshape(BH, *x.shape[2:]), m1.reshape(BH, *m1.shape[2:]),
-                             m2.reshape(BH, *m2.shape[2:]), alpha=alpha).view(*x.shape)
-
-    # Per-chunk views by one unbind each: indexing x[:, :, n] in the loop would make autograd
-    # scatter every chunk's gradient into a zero tensor of x's full size (N^2 work in backward);
-    # unbind's backward stacks them once.
-    U0n, Wn, eGn, Qn, qkn, eGCn, Kendn = (x.unbind(2) for x in (U0, W, eG, Q, qk, eGC, Kend))
-    outs = []
-    for n in range(N):
-        U = bmm_add(U0n[n], Wn[n], S, alpha=-1.0)
-        outs.append(bmm_add(eGn[n] * (Qn[n] @ S), qkn[n], U))
-        S = bmm_add(eGCn[n] * S, Kendn[n].transpose(-1, -2), U)
-    o = s * torch.stack(outs, dim=2)
-    o = o.reshape(B, H, N * C, V)[:, :, :T].movedim(1, 2)
-    return o.to(v.dtype), S
+    S0 = (torch.zeros(B, H, K, V, dtype=acc, device=q.device) if initial_state is None
+          else initial_state.to(acc))
+    # The states entering every chunk, then every chunk's output from its state at once.
+    states = state_scan(eGC, Kend_t, W, Kend_t @ U0, S0)  # [N + 1, B, H, K, V]
+    S = states[:N]
+    o = s * (eG * (Q @ S) + qk @ (U0 - W @ S))  # [N, B, H, C, V]
+    o = o.permute(1, 0, 3, 2, 4).reshape(B, N * C, H, V)[:, :T]
+    return o.to(v.dtype), states[N]
 
 
 gated_delta_rule = define_op(

@@ -21,16 +21,18 @@ of the chunk per channel, A_ts = b_t sum_c k_tc k_sc exp(G_tc - G_sc) (s < t) an
 P_ts = sum_c q_tc k_sc exp(G_tc - G_sc) (s <= t) are formed from the masked exponentials
 themselves (every exponent <= 0: nothing overflows however strong the decay; the [16, 16, dk]
 block per chunk is why the chunk is short); U = U0 - W S_0 with U0 = (I + A)^-1 diag(b) V and
-W = (I + A)^-1 diag(b) (K exp G), solved for every chunk at once; then per chunk
-o = scale ((Q exp G) S_0 + P U) and the state leaving it exp(G_C) S_0 + (K exp(G_C - G))^T U.
-A sequence not a multiple of 16 is padded with steps of decay 0 and b = 0. Its gradients are
-autograd's through that code; tests/python/test_kda.py checks it against the step-by-step
-recurrence in float64.
+W = (I + A)^-1 diag(b) (K exp G), solved for every chunk at once. The state leaving a chunk,
+exp(G_C) S_0 + (K exp(G_C - G))^T U, is the linear recurrence of kernelgate._state_scan (one
+batched matmul per chunk forward and backward); then o = scale ((Q exp G) S_0 + P U) for every
+chunk at once. A sequence not a multiple of 16 is padded with steps of decay 0 and b = 0. Its
+gradients are autograd's through that code (the state pass's written out); tests/python/test_kda.py
+checks it against the step-by-step recurrence in float64.
 """
 
 import torch
 
 from ._define import define_op
+from ._state_scan import state_scan
 
 SCHEMA = ("kda(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor A_log, "
           "Tensor? dt_bias=None, Tensor? initial_state=None, float scale=0.0) -> (Tensor, Tensor)")
@@ -50,22 +52,23 @@ def kda_reference(q, k, v, g, beta, A_log, dt_bias, initial_state, scale):
     N = max(1, -(-T // C))
     pad = N * C - T
 
-    def heads_first(x):  # [B, T, H, ...] -> [B, H, N, C, ...] in acc, zero-padded at the end
-        x = x.to(acc).movedim(2, 1)
+    def chunks(x):  # [B, T, H, ...] -> [N, B, H, C, ...] in acc, zero-padded at the end
+        x = x.to(acc)
         if pad:
-            x = torch.cat([x, x.new_zeros((B, H, pad) + x.shape[3:])], dim=2)
-        return x.reshape((B, H, N, C) + x.shape[3:])
+            x = torch.cat([x, x.new_zeros((B, pad) + x.shape[2:])], dim=1)
+        x = x.reshape((B, N, C) + x.shape[2:])
+        return x.permute(1, 0, 3, 2, *range(4, x.dim())).contiguous()
 
     qf, kf = q.to(acc), k.to(acc)
     qf = qf * torch.rsqrt((qf * qf).sum(-1, keepdim=True) + 1e-6)
     kf = kf * torch.rsqrt((kf * kf).sum(-1, keepdim=True) + 1e-6)
     x = g.to(acc) if dt_bias is None else g.to(acc) + dt_bias.to(acc)
     decay = -torch.exp(A_log.to(acc))[:, None] * F.softplus(x)  # [B, T, H, K]
-    Q, Kc, Vc, G = heads_first(qf), heads_first(kf), heads_first(v), heads_first(decay).cumsum(-2)
-    b = heads_first(torch.sigmoid(beta.to(acc)))  # [B, H, N, C]
+    Q, Kc, Vc, G = chunks(qf), chunks(kf), chunks(v), chunks(decay).cumsum(-2)
+    b = chunks(torch.sigmoid(beta.to(acc)))  # [N, B, H, C]
     t_idx = torch.arange(C, device=q.device)
     lower_eq = t_idx[:, None] >= t_idx[None, :]
-    # exp(G_t - G_s) per key channel for s <= t, every exponent <= 0: [B, H, N, C, C, dk]
+    # exp(G_t - G_s) per key channel for s <= t, every exponent <= 0: [N, B, H, C, C, dk]
     E = torch.exp((G[..., :, None, :] - G[..., None, :, :]).masked_fill(~lower_eq[..., None], float("-inf")))
     A = (b[..., None] * torch.einsum("...tk,...sk,...tsk->...ts", Kc, Kc, E)).tril(-1)
     P = torch.einsum("...tk,...sk,...tsk->...ts", Q, Kc, E)
@@ -75,29 +78,16 @@ def kda_reference(q, k, v, g, beta, A_log, dt_bias, initial_state, scale):
     UW = torch.linalg.solve_triangular(eye + A, torch.cat([b[..., None] * Vc, b[..., None] * (Kc * eG)], -1),
                                        upper=False, unitriangular=True)
     U0, W = UW[..., :V], UW[..., V:]
-    Kend = Kc * torch.exp(G[..., -1:, :] - G)  # keys decayed to the chunk's end, per channel
-    eGC = torch.exp(G[..., -1, :])[..., None]  # [B, H, N, K, 1]
-    Qd = Q * eG
-    S = (torch.zeros(B, H, K, V, dtype=acc, device=q.device) if initial_state is None
-         else initial_state.to(acc))
-    BH = B * H
-
-    # The pass over the chunks is gated_delta_rule's with a state decay per row: written out here,
-    # not shared, since an op's evidence goes stale with its reference's own code only.
-    def bmm_add(x, m1, m2, alpha=1.0):  # x + alpha * m1 @ m2, batched over [B, H]: one kernel
-        return torch.baddbmm(x.reshape(BH, *x.shape[2:]), m1.reshape(BH, *m1.shape[2:]),
-                             m2.reshape(BH, *m2.shape[2:]), alpha=alpha).view(*x.shape)
-
-    # Per-chunk views by one unbind each (gated_delta_rule's reason: no N^2 work in backward).
-    U0n, Wn, Qdn, Pn, eGCn, Kendn = (x.unbind(2) for x in (U0, W, Qd, P, eGC, Kend))
-    outs = []
-    for n in range(N):
-        U = bmm_add(U0n[n], Wn[n], S, alpha=-1.0)
-        outs.append(bmm_add(Qdn[n] @ S, Pn[n], U))
-        S = bmm_add(eGCn[n] * S, Kendn[n].transpose(-1, -2), U)
-    o = s * torch.stack(outs, dim=2)
-    o = o.reshape(B, H, N * C, V)[:, :, :T].movedim(1, 2)
-    return o.to(v.dtype), S
+    Kend_t = (Kc * torch.exp(G[..., -1:, :] - G)).transpose(-1, -2)  # keys decayed to the chunk's end, per channel
+    eGC = torch.exp(G[..., -1, :])[..., None]  # [N, B, H, K, 1]
+    S0 = (torch.zeros(B, H, K, V, dtype=acc, device=q.device) if initial_state is None
+          else initial_state.to(acc))
+    # The states entering every chunk (a state decay per row), then every chunk's output at once.
+    states = state_scan(eGC, Kend_t, W, Kend_t @ U0, S0)  # [N + 1, B, H, K, V]
+    S = states[:N]
+    o = s * ((Q * eG) @ S + P @ (U0 - W @ S))  # [N, B, H, C, V]
+    o = o.permute(1, 0, 3, 2, 4).reshape(B, N * C, H, V)[:, :T]
+    return o.to(v.dtype), states[N]
 
 
 kda = define_op(

@@ -213,3 +213,26 @@ def test_gpu_fla_chunk_backward(shape):
             _gpu_check("fla_chunk", shape, torch.bfloat16, grad=True)
     else:
         _gpu_check("fla_chunk", shape, torch.bfloat16, grad=True)
+
+
+@pytest.mark.parametrize("per_row_decay", [False, True], ids=["gdr_decay", "kda_decay"])
+def test_the_state_pass_gradients_match_finite_differences(per_row_decay):
+    """kernelgate._state_scan's hand-written backward (every input: decay, Kend^T, W, c, S_0)
+    against torch.autograd.gradcheck in float64, for a decay per state row (kda) and one per
+    chunk (gated_delta_rule), with several chunks and a batch."""
+    from kernelgate._state_scan import state_scan
+
+    torch.manual_seed(0)
+    N, B, dk, C, dv = 3, 2, 4, 5, 3
+    f64 = dict(dtype=torch.float64)
+    decay = torch.rand(N, B, dk if per_row_decay else 1, 1, **f64).requires_grad_()
+    kend_t = (0.3 * torch.randn(N, B, dk, C, **f64)).requires_grad_()
+    w = (0.3 * torch.randn(N, B, C, dk, **f64)).requires_grad_()
+    c = torch.randn(N, B, dk, dv, **f64).requires_grad_()
+    s0 = torch.randn(B, dk, dv, **f64).requires_grad_()
+    assert torch.autograd.gradcheck(state_scan, (decay, kend_t, w, c, s0))
+    states = state_scan(decay, kend_t, w, c, s0)
+    s = s0
+    for n in range(N):  # the recurrence itself, step by step
+        s = decay[n] * s - kend_t[n] @ (w[n] @ s) + c[n]
+        torch.testing.assert_close(states[n + 1], s)

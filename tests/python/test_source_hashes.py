@@ -118,3 +118,38 @@ def test_a_python_defined_ops_hash_covers_the_helpers_of_its_module_it_calls(tmp
     assert len({hashes[k][0] for k in ("base", "inner", "helper")}) == 3
     assert len({hashes[k][1] for k in ("base", "inner", "helper")}) == 3
     assert hashes["base"][0] != hashes["base"][1]  # the eager code counts too
+
+
+def test_a_python_defined_ops_hash_covers_classes_and_kernelgates_own_helpers(tmp_path):
+    """An autograd.Function the reference applies counts, with every method and the helpers its
+    methods call; so does a helper of another kernelgate module (the chunked references' state
+    pass lives in kernelgate._state_scan)."""
+    import sys
+
+    from kernelgate._define import _closure_hash
+
+    package_helper = "def scan_helper(x):\n    return x - 1\n"
+    op = (
+        "import torch\n"
+        "from kernelgate._closure_probe import scan_helper\n"
+        "def _twice(x):\n    return x * 2\n"
+        "class _Fn(torch.autograd.Function):\n"
+        "    @staticmethod\n    def forward(ctx, x):\n        return _twice(x)\n"
+        "    @staticmethod\n    @torch.autograd.function.once_differentiable\n"
+        "    def backward(ctx, g):\n        return g * 2\n"
+        "def reference(x):\n    return scan_helper(_Fn.apply(x))\n")
+    variants = {
+        "base": (package_helper, op),
+        "method": (package_helper, op.replace("return g * 2", "return g * 3")),
+        "method_helper": (package_helper, op.replace("return x * 2", "return x * 4")),
+        "package_helper": (package_helper.replace("x - 1", "x - 2"), op),
+    }
+    hashes = {}
+    try:
+        for i, (name, (helper_src, op_src)) in enumerate(variants.items()):
+            sys.modules["kernelgate._closure_probe"] = _module(tmp_path, f"probe_{i}", helper_src)
+            sys.modules["kernelgate._closure_probe"].scan_helper.__module__ = "kernelgate._closure_probe"
+            hashes[name] = _closure_hash(_module(tmp_path, f"op_{i}", op_src).reference)
+    finally:
+        sys.modules.pop("kernelgate._closure_probe", None)
+    assert len(set(hashes.values())) == len(variants), hashes
