@@ -1,0 +1,77 @@
+"""bench/bench_reference_revisions.py on the CPU: a reference loaded from a git revision is the
+installed op's reference (same outputs and gradients, float64, to the bit), loading does not
+define the op a second time, and the script runs and records one row per op, shape and revision.
+(Its timings on the CPU mean nothing; the revisions are compared on a GPU.)"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, os.path.join(REPO, "bench"))
+import bench_reference_revisions as brr  # noqa: E402
+
+import kernelgate  # noqa: E402
+
+# the modules (kernelgate.gated_delta_rule the attribute is the op itself)
+gdr_module = sys.modules["kernelgate.gated_delta_rule"]
+kda_module = sys.modules["kernelgate.kda"]
+
+needs_git = pytest.mark.skipif(
+    subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True).returncode != 0,
+    reason="not a git checkout")
+
+
+def _f64(leaves):
+    return [x.detach().double().requires_grad_() for x in leaves]
+
+
+@needs_git
+@pytest.mark.parametrize("op,module", [("gated_delta_rule", gdr_module), ("kda", kda_module)])
+def test_a_revisions_reference_is_the_installed_one(op, module):
+    loaded = brr.load_reference(op, "HEAD")
+    installed = getattr(module, f"{op}_reference")
+    assert loaded is not installed  # a second copy, run from git's text
+    leaves = brr.layer_inputs(op, 1, 37, 2, 8, "cpu")
+    a_in, b_in = _f64(leaves), _f64(leaves)
+    a_out, a_state = loaded(*a_in, None, 0.0)
+    b_out, b_state = installed(*b_in, None, 0.0)
+    assert torch.equal(a_out, b_out) and torch.equal(a_state, b_state)
+    (a_out.sum() + a_state.sum()).backward()
+    (b_out.sum() + b_state.sum()).backward()
+    for x, y in zip(a_in, b_in):
+        assert x.grad is not None and torch.equal(x.grad, y.grad)
+
+
+@needs_git
+def test_loading_a_revision_defines_no_op():
+    before = [o["name"] for o in kernelgate.ops()]
+    assert "gated_delta_rule" in before
+    brr.load_reference("gated_delta_rule", "HEAD")
+    assert [o["name"] for o in kernelgate.ops()] == before
+
+
+@needs_git
+def test_a_file_that_does_not_define_the_op_is_a_clear_error():
+    text = subprocess.run(["git", "-C", REPO, "show", "HEAD:python/kernelgate/kda.py"],
+                          check=True, capture_output=True, text=True).stdout
+    with pytest.raises(ValueError, match="does not define the op"):
+        brr.reference_from_text("gated_delta_rule", "HEAD", text)
+
+
+@needs_git
+def test_the_script_records_every_op_shape_and_revision(tmp_path):
+    out = tmp_path / "revs.json"
+    rc = brr.main(["--revs", "HEAD", "--shapes", "1,20,2,8", "--out", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert set(data["revisions"]) == {"HEAD"}
+    rows = data["rows"]
+    assert [(r["op"], r["shape"]) for r in rows] == [("gated_delta_rule", "B1 T20 H2 K8"), ("kda", "B1 T20 H2 K8")]
+    for r in rows:
+        assert r["errors"] == [] and r["fwdbwd_ms_pass1"] > 0 and r["fwdbwd_ms_pass2"] > 0
+        assert r["x_baseline"] == pytest.approx(1.0)  # the baseline against itself
