@@ -9,6 +9,7 @@ the chunk's end; U0_n - W_n S_n: its corrected values). Only this recurrence is 
 batched matmul per chunk forward, one per chunk backward, where autograd through the unrolled
 loop would launch a dozen small kernels per chunk. Everything else the references compute from
 all states at once. M is recomputed in the backward rather than saved ([chunks, ..., dk, dk]).
+The backward is written in differentiable ops, so the references stay twice differentiable.
 """
 
 import torch
@@ -35,16 +36,17 @@ class _StateScan(torch.autograd.Function):
         return states
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, d_states):
+        # Out-of-place ops throughout: under create_graph this backward is itself differentiated
+        # (the references are twice differentiable), the saved states through this Function again.
         decay, kend_t, w, states = ctx.saved_tensors
         n = states.shape[0] - 1
-        m = _transition(decay, kend_t, w)
-        g = torch.empty_like(states)  # g[i]: the gradient of the state entering chunk i, all paths
-        g[n] = d_states[n]
-        mb, gb, db = m.flatten(1, -3), g.flatten(1, -3), d_states.contiguous().flatten(1, -3)
+        mb = _transition(decay, kend_t, w).flatten(1, -3)
+        db = d_states.flatten(1, -3)
+        gs = [db[n]]  # the gradient of the state entering chunk i, all paths: i = n, n - 1, ...
         for i in range(n - 1, -1, -1):
-            torch.baddbmm(db[i], mb[i].transpose(-1, -2), gb[i + 1], out=gb[i])
+            gs.append(torch.baddbmm(db[i], mb[i].transpose(-1, -2), gs[-1]))
+        g = torch.stack(gs[::-1]).view(states.shape)
         d_m = g[1:] @ states[:n].transpose(-1, -2)  # [N, ..., dk, dk]
         d_decay = d_m.diagonal(dim1=-2, dim2=-1)[..., None].sum_to_size(decay.shape)
         d_kend_t = -(d_m @ w.transpose(-1, -2))

@@ -692,6 +692,54 @@ def test_double_backward(op, backend):
     check_double_backward(op, backend, "cpu")
 
 
+@pytest.mark.parametrize("op", [op for op in OPS if op not in REFUSES_DOUBLE_BACKWARD])
+def test_the_references_second_derivatives_match_finite_differences(op):
+    """The double-backward check's oracle is the reference differentiated twice, so that is
+    checked on its own: for each first-order gradient g_l (float64, a smoke case), the gradient of
+    g_l . v_l along a random direction d equals v_l . (g_l(x + e d) - g_l(x - e d)) / 2e. A
+    reference whose backward autograd cannot differentiate again (a Function's backward written
+    with once_differentiable or in-place ops) gives a second derivative that fails it."""
+    cid, enc = integration_cases(op, "reference", "cpu", grad=True)[0]
+    args, per_arg = _C.case_arguments(enc, on_gpu=False, float64=True)
+    named = [(n, x) for n, x in zip(INFO[op]["tensor_args"], per_arg, strict=True) if x is not None]
+    leaves = [x for _, x in named]
+    gen = torch.Generator().manual_seed(2)
+    # Only the inputs the op differentiates move (rope's cos and sin get no gradient, by contract).
+    dirs = [torch.randn(x.shape, generator=gen, dtype=torch.float64) * (n in INFO[op]["gradients"])
+            for n, x in named]
+
+    def first_order(create_graph=False):
+        outs = as_list(reference_op(op)(*args))
+        return grads(outs, leaves, cotangents(outs), create_graph=create_graph)
+
+    first = first_order(create_graph=True)
+    vs = cotangents(first, seed=1)
+    along = []  # d . grad(g_l . v_l), before the leaves move
+    for g, v in zip(first, vs):
+        if not g.requires_grad:  # a gradient that does not depend on the inputs
+            along.append((torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)))
+            continue
+        second = torch.autograd.grad((g * v).sum(), leaves, allow_unused=True, materialize_grads=True,
+                                     retain_graph=True)
+        along.append((sum((s * d).sum() for s, d in zip(second, dirs)),
+                      sum((s.abs() * d.abs()).sum() for s, d in zip(second, dirs))))
+    del first
+    eps = 1e-6
+    with torch.no_grad():
+        for x, d in zip(leaves, dirs):
+            x.add_(eps * d)
+    plus = first_order()
+    with torch.no_grad():
+        for x, d in zip(leaves, dirs):
+            x.sub_(2 * eps * d)
+    minus = first_order()
+    for l, ((analytic, size), v) in enumerate(zip(along, vs)):
+        fd = ((plus[l] - minus[l]) * v).sum() / (2 * eps)
+        assert abs(analytic - fd) <= 1e-6 * (size + fd.abs()) + 1e-9, (
+            f"{cid}: gradient {l}: second derivative along a direction {float(analytic):.6e}, "
+            f"finite differences {float(fd):.6e}")
+
+
 # ---- no backend modifies its inputs --------------------------------------------------------------
 
 def snapshot(tensors):

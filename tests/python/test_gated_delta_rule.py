@@ -218,7 +218,8 @@ def test_gpu_fla_chunk_backward(shape):
 @pytest.mark.parametrize("per_row_decay", [False, True], ids=["gdr_decay", "kda_decay"])
 def test_the_state_pass_gradients_match_finite_differences(per_row_decay):
     """kernelgate._state_scan's hand-written backward (every input: decay, Kend^T, W, c, S_0)
-    against torch.autograd.gradcheck in float64, for a decay per state row (kda) and one per
+    against torch.autograd.gradcheck in float64, and its second derivatives (the backward
+    differentiated by autograd) against gradgradcheck, for a decay per state row (kda) and one per
     chunk (gated_delta_rule), with several chunks and a batch."""
     from kernelgate._state_scan import state_scan
 
@@ -231,6 +232,7 @@ def test_the_state_pass_gradients_match_finite_differences(per_row_decay):
     c = torch.randn(N, B, dk, dv, **f64).requires_grad_()
     s0 = torch.randn(B, dk, dv, **f64).requires_grad_()
     assert torch.autograd.gradcheck(state_scan, (decay, kend_t, w, c, s0))
+    assert torch.autograd.gradgradcheck(state_scan, (decay, kend_t, w, c, s0))
     states = state_scan(decay, kend_t, w, c, s0)
     s = s0
     for n in range(N):  # the recurrence itself, step by step
