@@ -17,7 +17,8 @@ unknown (tokens is then its bound).
 
 The reference computes each sequence's attention on its own (float32 accumulation; float64 for
 the oracle): exact and twice differentiable (as every reference must be; PyTorch's fused kernels
-have no double backward), in time and memory the sum of the sequences' squared lengths. It reads
+have no double backward), in time the sum of the sequences' squared lengths, in blocks of queries
+whose scores fit 1 GiB in float64 (forward and backward: the backward recomputes them). It reads
 the boundaries on the host (one sync); where it cannot (meta and traced tensors, torch.compile's
 tracing, CUDA-graph capture) it computes every query against every packed key under the
 sequences' mask instead, quadratic in tokens. The eager backend is the plain PyTorch code a user
@@ -55,6 +56,54 @@ def _no_host_values(t: torch.Tensor) -> bool:
             or (t.is_cuda and torch.cuda.is_current_stream_capturing()))
 
 
+def _masked_scores(q, k, s, causal, start):
+    """Scores [kv_heads, group, queries, keys] of queries at positions start.. of one sequence,
+    -inf where causal masks a key."""
+    scores = torch.einsum("ikgd,jkd->kgij", q, k) * s
+    if causal:
+        qpos = torch.arange(start, start + q.shape[0], device=q.device)
+        later = torch.arange(k.shape[0], device=q.device)[None, :] > qpos[:, None]
+        scores = scores.masked_fill(later, float("-inf"))  # a token sees itself
+    return scores
+
+
+# Scores a block of queries may hold at once (float64: 1 GiB): a sequence's attention is computed
+# in blocks of queries, so the oracle of a long sequence fits where its whole score matrix would not.
+_BLOCK_SCORES = 1 << 27
+
+
+class _Attend(torch.autograd.Function):
+    """One sequence's attention, o = softmax(q k^T s, causal) v, in blocks of queries: forward and
+    backward keep [heads, block, keys] scores at a time where autograd through the plain code keeps
+    every [heads, keys, keys] probability matrix. The backward recomputes each block's
+    probabilities in differentiable ops (o the saved output), so autograd differentiates it again."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, s, causal):
+        n, heads = q.shape[0], q.shape[1] * q.shape[2]
+        ctx.block = block = max(1, _BLOCK_SCORES // max(1, heads * k.shape[0]))
+        ctx.s, ctx.causal = s, causal
+        o = torch.cat([torch.einsum("kgij,jkd->ikgd", torch.softmax(_masked_scores(q[i:i + block], k, s, causal, i), -1), v)
+                       for i in range(0, n, block)])
+        ctx.save_for_backward(q, k, v, o)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o = ctx.saved_tensors
+        s, causal, block = ctx.s, ctx.causal, ctx.block
+        dq, dk, dv = [], torch.zeros_like(k), torch.zeros_like(v)
+        for i in range(0, q.shape[0], block):
+            qb, ob, dob = q[i:i + block], o[i:i + block], do[i:i + block]
+            p = torch.softmax(_masked_scores(qb, k, s, causal, i), -1)  # [kv_heads, group, b, keys]
+            dv = dv + torch.einsum("kgij,ikgd->jkd", p, dob)
+            dp = torch.einsum("ikgd,jkd->kgij", dob, v)
+            ds = p * (dp - torch.einsum("ikgd,ikgd->kgi", dob, ob)[..., None]) * s
+            dq.append(torch.einsum("kgij,jkd->ikgd", ds, k))
+            dk = dk + torch.einsum("kgij,ikgd->jkd", ds, qb)
+        return torch.cat(dq), dk, dv, None, None
+
+
 def attention_varlen_reference(q, k, v, cu_seqlens, mask, scale, max_seqlen):
     dtype, acc = q.dtype, torch.promote_types(q.dtype, torch.float32)
     T, Hkv, G, D = q.shape
@@ -62,22 +111,19 @@ def attention_varlen_reference(q, k, v, cu_seqlens, mask, scale, max_seqlen):
     q, k, v = q.to(acc), k.to(acc), v.to(acc)
     cu = boundaries(cu_seqlens, T)
 
-    def attend(q, k, v, seq):  # seq: each token's sequence number, or None for one sequence
-        n = q.shape[0]
-        pos = torch.arange(n, device=q.device)
-        allowed = torch.ones(n, n, dtype=torch.bool, device=q.device) if seq is None else seq[:, None] == seq[None, :]
+    if _no_host_values(q):
+        # Every query against every packed key, under the sequences' mask (shapes stay symbolic).
+        pos = torch.arange(T, device=q.device)
+        seq = torch.searchsorted(cu, pos, right=True)  # a sequence's tokens share it
+        allowed = seq[:, None] == seq[None, :]
         if mask == "causal":
             allowed = allowed & (pos[None, :] <= pos[:, None])
         scores = torch.einsum("ikgd,jkd->kgij", q, k) * s
         p = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)  # a token sees itself
-        return torch.einsum("kgij,jkd->ikgd", p, v)
-
-    if _no_host_values(q):
-        pos = torch.arange(T, device=q.device)
-        o = attend(q, k, v, torch.searchsorted(cu, pos, right=True))  # a sequence's tokens share it
+        o = torch.einsum("kgij,jkd->ikgd", p, v)
     else:
         b = cu.tolist()
-        parts = [attend(q[a:e], k[a:e], v[a:e], None) for a, e in zip(b, b[1:]) if e > a]
+        parts = [_Attend.apply(q[a:e], k[a:e], v[a:e], s, mask == "causal") for a, e in zip(b, b[1:]) if e > a]
         o = torch.cat(parts) if parts else q.new_zeros(0, Hkv, G, v.shape[-1])
     return o.to(dtype)
 

@@ -5,6 +5,8 @@ form as a special case, bad input, the plain code as the fallback, and on the GP
 kernels against the oracle. The
 contract suite (test_contracts.py) checks the op like every other, on the generated cases."""
 
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -215,6 +217,35 @@ def test_the_reference_reads_the_boundaries_without_the_host_where_it_must():
     per_seq = attention_varlen_reference(qg, k, v, cu, "causal", 0.0, 0)
     torch.testing.assert_close(torch.Tensor(masked), per_seq, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(per_seq.view(23, 4, 8), per_sequence(q, k, v, cu, True), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_reference_in_blocks_of_queries_is_sdpa_per_sequence_to_the_second_derivative(monkeypatch, causal):
+    """The reference computes a sequence in blocks of queries (its score memory bounded for the
+    oracle of long sequences): in blocks of 1, 3 and 7 queries (a ragged last block) and in one,
+    its output, gradients and second derivatives in float64 are those of SDPA per sequence."""
+    av = sys.modules["kernelgate.attention_varlen"]  # (kg.attention_varlen is the op)
+
+    q, k, v = inputs(23, 4, 2, 8, dtype=torch.float64)
+    qg, cu, mask = q.view(23, 2, 2, 8), torch.tensor([0, 5, 17, 23]), "causal" if causal else "none"
+    gen = torch.Generator().manual_seed(1)
+    cot = torch.randn(23, 2, 2, 8, generator=gen, dtype=torch.float64)
+    vs = [torch.randn(t.shape, generator=gen, dtype=torch.float64) for t in (q, k, v)]
+
+    def run(fn):
+        o = fn()
+        first = torch.autograd.grad(o, (q, k, v), cot.view(o.shape), create_graph=True)
+        second = torch.autograd.grad(sum((g * w).sum() for g, w in zip(first, vs)), (q, k, v))
+        return [o.detach().view(23, 2, 2, 8), *(g.detach() for g in first), *second]
+
+    # SDPA per sequence (its math path on the CPU, differentiated twice by autograd): the definition
+    want = run(lambda: per_sequence(q, k, v, cu, causal))
+    for block_queries in (1, 3, 7, 10 ** 6):
+        # a block holds block_queries x kv_heads x group x keys scores; the longest sequence has 12 keys
+        monkeypatch.setattr(av, "_BLOCK_SCORES", block_queries * 4 * 12)
+        got = run(lambda: attention_varlen_reference(qg, k, v, cu, mask, 0.0, 0))
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12, msg=lambda m: f"block {block_queries}, result {i}: {m}")
 
 
 def test_training_through_the_op_compiles():
