@@ -12,7 +12,7 @@ a difference between the two passes. CUDA-event medians of whole calls (host gap
 after an L2 flush; peak memory is the forward+backward's above its inputs. On a machine without a
 GPU it runs the same on the CPU at a tiny shape (a check of the script; its times mean nothing).
 
-    python bench/bench_reference_revisions.py --revs 22a0b6f,341f695,66685f5 \
+    python bench/bench_reference_revisions.py --revs 22a0b6f,341f695,66685f5,82a843b \
         --out bench/results/h100/reference_revisions_gdr_kda.json
 """
 
