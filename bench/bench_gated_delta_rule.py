@@ -92,6 +92,15 @@ def measure(name, f, shape, dtype):
             force.__exit__(None, None, None)
 
 
+def with_ratios(records):
+    """Each record's times as multiples of the eager variant's at the same shape."""
+    for r in records:
+        eager = next((e for e in records if e["variant"] == "eager" and e["shape"] == r["shape"]), None)
+        for key in ("fwd_ms", "fwdbwd_ms"):
+            if eager and key in r and key in eager:
+                r[f"x_eager_{key[:-3]}"] = eager[key] / r[key]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="4,2048,16,128;4,4096,16,128", help="B,T,H,K;... (dv = dk)")
@@ -110,13 +119,9 @@ def main() -> int:
             except Exception as exc:  # a variant that fails here is a result
                 records.append({"variant": name, "shape": list(shape), "failed": f"{type(exc).__name__}: {str(exc)[:240]}"})
             print(records[-1], flush=True)
-    for r in records:
-        eager = next((e for e in records if e["variant"] == "eager" and e["shape"] == r["shape"]), None)
-        for key in ("fwd_ms", "fwdbwd_ms"):
-            if eager and key in r and key in eager:
-                r[f"x_eager_{key[:-3]}"] = eager[key] / r[key]
-    if args.out:
-        write_json(args.out, {**env, "notes": notes, "records": records})
+            with_ratios(records)
+            if args.out:  # after every record: a run cut short keeps what it measured
+                write_json(args.out, {**env, "notes": notes, "records": records})
     print("; ".join(notes))
     print_table(records, ["variant", "shape", "fwd_ms", "x_eager_fwd", "fwdbwd_ms", "x_eager_fwdbwd",
                           "fwdbwd_peak_extra_mib", "fwdbwd_refused"])

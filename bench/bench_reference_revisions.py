@@ -6,7 +6,9 @@ kernelgate's drop-in trains through the gated_delta_rule reference there) is mea
 revision before it on the same GPU, in the same process.
 
 Each revision's `python/kernelgate/<op>.py` is read with `git show` and run in kernelgate's package
-(its own imports resolve to the installed package; the op is not defined a second time). The
+(its own imports resolve to the installed package, so a helper module such as
+kernelgate._state_scan is the checkout's at every revision: the JSON's `installed_package` says
+which; the op is not defined a second time). The
 revisions are timed in order, then in reverse order, so a clock that drifts over the run shows as
 a difference between the two passes. CUDA-event medians of whole calls (host gaps included), each
 after an L2 flush; peak memory is the forward+backward's above its inputs. On a machine without a
@@ -105,6 +107,13 @@ def main(argv=None) -> int:
     env = environment("python bench/bench_reference_revisions.py " + " ".join(argv if argv is not None else sys.argv[1:]))
     env["revisions"] = {rev: subprocess.run(["git", "-C", REPO, "rev-parse", "--short", rev], check=True,
                                             capture_output=True, text=True).stdout.strip() for rev in revs}
+    # Only the op's own file comes from each revision: what it imports (kernelgate._state_scan, say)
+    # is the installed package's, built from this checkout.
+    changed = subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--", "python/kernelgate"],
+                             capture_output=True, text=True).stdout.split("\n")
+    env["installed_package"] = {"checkout": subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"],
+                                                           capture_output=True, text=True).stdout.strip(),
+                                "uncommitted_in_python_kernelgate": [c[3:] for c in changed if c.strip()]}
     rows = []
     for op in args.ops.split(","):
         refs = {rev: load_reference(op, rev) for rev in revs}

@@ -37,16 +37,24 @@ class _StateScan(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_states):
-        # Out-of-place ops throughout: under create_graph this backward is itself differentiated
-        # (the references are twice differentiable), the saved states through this Function again.
         decay, kend_t, w, states = ctx.saved_tensors
         n = states.shape[0] - 1
         mb = _transition(decay, kend_t, w).flatten(1, -3)
-        db = d_states.flatten(1, -3)
-        gs = [db[n]]  # the gradient of the state entering chunk i, all paths: i = n, n - 1, ...
-        for i in range(n - 1, -1, -1):
-            gs.append(torch.baddbmm(db[i], mb[i].transpose(-1, -2), gs[-1]))
-        g = torch.stack(gs[::-1]).view(states.shape)
+        db = d_states.contiguous().flatten(1, -3)
+        # g[i]: the gradient of the state entering chunk i, all paths.
+        if torch.is_grad_enabled():
+            # create_graph: out-of-place, so that autograd differentiates this backward (the
+            # references are twice differentiable; the saved states through this Function again).
+            gs = [db[n]]
+            for i in range(n - 1, -1, -1):
+                gs.append(torch.baddbmm(db[i], mb[i].transpose(-1, -2), gs[-1]))
+            g = torch.stack(gs[::-1]).view(states.shape)
+        else:  # into one buffer: no list of per-chunk gradients beside the stacked one
+            g = torch.empty_like(states)
+            gb = g.flatten(1, -3)
+            gb[n] = db[n]
+            for i in range(n - 1, -1, -1):
+                torch.baddbmm(db[i], mb[i].transpose(-1, -2), gb[i + 1], out=gb[i])
         d_m = g[1:] @ states[:n].transpose(-1, -2)  # [N, ..., dk, dk]
         d_decay = d_m.diagonal(dim1=-2, dim2=-1)[..., None].sum_to_size(decay.shape)
         d_kend_t = -(d_m @ w.transpose(-1, -2))

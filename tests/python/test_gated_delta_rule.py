@@ -233,6 +233,12 @@ def test_the_state_pass_gradients_match_finite_differences(per_row_decay):
     s0 = torch.randn(B, dk, dv, **f64).requires_grad_()
     assert torch.autograd.gradcheck(state_scan, (decay, kend_t, w, c, s0))
     assert torch.autograd.gradgradcheck(state_scan, (decay, kend_t, w, c, s0))
+    # its two ways to the first-order gradients (in place, or out of place under create_graph) agree
+    inputs, cot = (decay, kend_t, w, c, s0), torch.randn(N + 1, B, dk, dv, **f64)
+    plain = torch.autograd.grad(state_scan(*inputs), inputs, cot)
+    graphed = torch.autograd.grad(state_scan(*inputs), inputs, cot, create_graph=True)
+    for a, b in zip(plain, graphed, strict=True):
+        torch.testing.assert_close(a, b.detach(), rtol=1e-13, atol=1e-13)
     states = state_scan(decay, kend_t, w, c, s0)
     s = s0
     for n in range(N):  # the recurrence itself, step by step
