@@ -83,8 +83,8 @@ class _Attend(torch.autograd.Function):
         n, heads = q.shape[0], q.shape[1] * q.shape[2]
         ctx.block = block = max(1, _BLOCK_SCORES // max(1, heads * k.shape[0]))
         ctx.s, ctx.causal = s, causal
-        o = torch.cat([torch.einsum("kgij,jkd->ikgd", torch.softmax(_masked_scores(q[i:i + block], k, s, causal, i), -1), v)
-                       for i in range(0, n, block)])
+        probs = (torch.softmax(_masked_scores(q[i:i + block], k, s, causal, i), -1) for i in range(0, n, block))
+        o = torch.cat([torch.einsum("kgij,jkd->ikgd", p, v) for p in probs])
         ctx.save_for_backward(q, k, v, o)
         return o
 
