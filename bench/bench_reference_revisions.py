@@ -32,11 +32,14 @@ from common import environment, print_table, time_ms, write_json
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 
 
+def git(*args: str) -> str:
+    """git's output in this checkout (raises where git fails)."""
+    return subprocess.run(["git", "-C", REPO, *args], check=True, capture_output=True, text=True).stdout
+
+
 def load_reference(op: str, rev: str):
     """`<op>_reference` of python/kernelgate/<op>.py at git revision `rev`."""
-    src = subprocess.run(["git", "-C", REPO, "show", f"{rev}:python/kernelgate/{op}.py"],
-                         check=True, capture_output=True, text=True).stdout
-    return reference_from_text(op, rev, src)
+    return reference_from_text(op, rev, git("show", f"{rev}:python/kernelgate/{op}.py"))
 
 
 def reference_from_text(op: str, rev: str, src: str):
@@ -105,14 +108,11 @@ def main(argv=None) -> int:
     shapes = args.shapes or ("4,2048,16,128;4,4096,16,128" if device == "cuda" else "1,70,2,8")
     revs = args.revs.split(",")
     env = environment("python bench/bench_reference_revisions.py " + " ".join(argv if argv is not None else sys.argv[1:]))
-    env["revisions"] = {rev: subprocess.run(["git", "-C", REPO, "rev-parse", "--short", rev], check=True,
-                                            capture_output=True, text=True).stdout.strip() for rev in revs}
+    env["revisions"] = {rev: git("rev-parse", "--short", rev).strip() for rev in revs}
     # Only the op's own file comes from each revision: what it imports (kernelgate._state_scan, say)
     # is the installed package's, built from this checkout.
-    changed = subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--", "python/kernelgate"],
-                             capture_output=True, text=True).stdout.split("\n")
-    env["installed_package"] = {"checkout": subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"],
-                                                           capture_output=True, text=True).stdout.strip(),
+    changed = git("status", "--porcelain", "--", "python/kernelgate").splitlines()
+    env["installed_package"] = {"checkout": git("rev-parse", "--short", "HEAD").strip(),
                                 "uncommitted_in_python_kernelgate": [c[3:] for c in changed if c.strip()]}
     rows = []
     for op in args.ops.split(","):
