@@ -118,7 +118,7 @@ def attention_varlen_reference(q, k, v, cu_seqlens, mask, scale, max_seqlen):
         allowed = seq[:, None] == seq[None, :]
         if mask == "causal":
             allowed = allowed & (pos[None, :] <= pos[:, None])
-        scores = torch.einsum("ikgd,jkd->kgij", q, k) * s
+        scores = _masked_scores(q, k, s, False, 0)
         p = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)  # a token sees itself
         o = torch.einsum("kgij,jkd->ikgd", p, v)
     else:
