@@ -25,17 +25,20 @@ is exp(G_C) S_0 + K^T diag(exp(G_C - G)) U. The triangular systems of every chun
 once, before the pass over the chunks (U = U0 - W S_0 with U0 = (I + A)^-1 diag(b) V and
 W = (I + A)^-1 diag(b exp G) K, which need no state). The pass over the chunks is then the linear
 recurrence S' = (exp(G_C) I - Kend^T W) S + Kend^T U0 (Kend: the keys decayed to the chunk's
-end), one batched matmul per chunk forward and one backward (kernelgate._state_scan), and every
-chunk's output comes from its entering state at once. Every exponent is <= 0 (the decays are
-masked before exp), so nothing overflows; a sequence not a multiple of 64 is padded with steps of
-decay 0 and b = 0, which leave the state as it is. Its gradients are autograd's through that code
-(the state pass's written out); tests/python/test_gated_delta_rule.py checks it against the
-step-by-step recurrence in float64.
+end), three small kernels per chunk forward and three backward (kernelgate._state_scan), and
+every chunk's output comes from its entering state at once, as
+scale ((diag(exp G) Q - qk W) S_0 + qk U0). Every exponent is <= 0 (the decays are masked before
+exp), so nothing overflows; a sequence not a multiple of 64 is padded with steps of decay 0 and
+b = 0, which leave the state as it is. Its gradients are autograd's through that code (the state
+pass's and the q, k normalisation's written out, so that the backward keeps no float32 copy of q
+or k and no [dk, dk] matrix per chunk); tests/python/test_gated_delta_rule.py checks it against
+the step-by-step recurrence in float64.
 """
 
 import torch
 
 from ._define import define_op
+from ._l2norm import l2_normalize
 from ._state_scan import state_scan
 
 SCHEMA = ("gated_delta_rule(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor A_log, "
@@ -63,38 +66,34 @@ def gated_delta_rule_reference(q, k, v, g, beta, A_log, dt_bias, initial_state, 
         x = x.reshape((B, N, C) + x.shape[2:])
         return x.permute(1, 0, 3, 2, *range(4, x.dim())).contiguous()
 
-    qf, kf = q.to(acc), k.to(acc)
-    qf = qf * torch.rsqrt((qf * qf).sum(-1, keepdim=True) + 1e-6)
-    kf = kf * torch.rsqrt((kf * kf).sum(-1, keepdim=True) + 1e-6)
     x = g.to(acc) if dt_bias is None else g.to(acc) + dt_bias.to(acc)
     decay = -torch.exp(A_log.to(acc)) * F.softplus(x)  # [B, T, H]
-    Q, Kc, Vc = chunks(qf), chunks(kf), chunks(v)
+    Q, Kc, Vc = chunks(l2_normalize(q, acc)), chunks(l2_normalize(k, acc)), chunks(v)
     a, b = chunks(decay), chunks(torch.sigmoid(beta.to(acc)))  # [N, B, H, C]
     G = a.cumsum(-1)
     t_idx = torch.arange(C, device=q.device)
-    lower = t_idx[:, None] > t_idx[None, :]
     lower_eq = t_idx[:, None] >= t_idx[None, :]
-    diff = G[..., :, None] - G[..., None, :]  # G_t - G_s
-    # masked_fill with a Python scalar: no host-to-device copy (a CUDA graph captures it)
-    D_strict = torch.exp(diff.masked_fill(~lower, float("-inf")))
-    D_incl = torch.exp(diff.masked_fill(~lower_eq, float("-inf")))
-    kk = Kc @ Kc.transpose(-1, -2)  # [N, B, H, C, C]
-    A = b[..., :, None] * D_strict * kk
-    eye = torch.eye(C, dtype=acc, device=q.device)
+    # exp(G_t - G_s) for s <= t, 0 above the diagonal; masked_fill with a Python scalar: no
+    # host-to-device copy (a CUDA graph captures it)
+    D = torch.exp((G[..., :, None] - G[..., None, :]).masked_fill(~lower_eq, float("-inf")))
+    # A's strictly lower part; the solve reads neither its diagonal (unit) nor above it, and
+    # gives the diagonal no gradient
+    A = b[..., :, None] * (D * (Kc @ Kc.transpose(-1, -2)))  # [N, B, H, C, C]
     eG = torch.exp(G)[..., None]
     # Every chunk's WY factors at once (they need no state): U = U0 - W S_0.
-    UW = torch.linalg.solve_triangular(eye + A, torch.cat([b[..., None] * Vc, (b[..., None] * eG) * Kc], -1),
+    UW = torch.linalg.solve_triangular(A, torch.cat([b[..., None] * Vc, (b[..., None] * eG) * Kc], -1),
                                        upper=False, unitriangular=True)
     U0, W = UW[..., :V], UW[..., V:]
     Kend_t = (Kc * torch.exp(G[..., -1:] - G)[..., None]).transpose(-1, -2)  # keys decayed to the chunk's end
     eGC = torch.exp(G[..., -1])[..., None, None]  # [N, B, H, 1, 1]
-    qk = (Q @ Kc.transpose(-1, -2)) * D_incl
+    qk = (Q @ Kc.transpose(-1, -2)) * D
     S0 = (torch.zeros(B, H, K, V, dtype=acc, device=q.device) if initial_state is None
           else initial_state.to(acc))
     # The states entering every chunk, then every chunk's output from its state at once.
     states = state_scan(eGC, Kend_t, W, Kend_t @ U0, S0)  # [N + 1, B, H, K, V]
     S = states[:N]
-    o = s * (eG * (Q @ S) + qk @ (U0 - W @ S))  # [N, B, H, C, V]
+    # o = s (diag(exp G) Q S + qk (U0 - W S)), with one [C, dv] product per chunk kept for the backward
+    o = s * ((eG * Q - qk @ W) @ S + qk @ U0)  # [N, B, H, C, V]
     o = o.permute(1, 0, 3, 2, 4).reshape(B, N * C, H, V)[:, :T]
     return o.to(v.dtype), states[N]
 

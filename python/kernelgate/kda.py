@@ -22,16 +22,17 @@ P_ts = sum_c q_tc k_sc exp(G_tc - G_sc) (s <= t) are formed from the masked expo
 themselves (every exponent <= 0: nothing overflows however strong the decay; the [16, 16, dk]
 block per chunk is why the chunk is short); U = U0 - W S_0 with U0 = (I + A)^-1 diag(b) V and
 W = (I + A)^-1 diag(b) (K exp G), solved for every chunk at once. The state leaving a chunk,
-exp(G_C) S_0 + (K exp(G_C - G))^T U, is the linear recurrence of kernelgate._state_scan (one
-batched matmul per chunk forward and backward); then o = scale ((Q exp G) S_0 + P U) for every
+exp(G_C) S_0 + (K exp(G_C - G))^T U, is the linear recurrence of kernelgate._state_scan (three
+small kernels per chunk forward and backward); then o = scale ((Q exp G - P W) S_0 + P U0) for every
 chunk at once. A sequence not a multiple of 16 is padded with steps of decay 0 and b = 0. Its
-gradients are autograd's through that code (the state pass's written out); tests/python/test_kda.py
-checks it against the step-by-step recurrence in float64.
+gradients are autograd's through that code (the state pass's and the q, k normalisation's
+written out); tests/python/test_kda.py checks it against the step-by-step recurrence in float64.
 """
 
 import torch
 
 from ._define import define_op
+from ._l2norm import l2_normalize
 from ._state_scan import state_scan
 
 SCHEMA = ("kda(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor A_log, "
@@ -59,12 +60,10 @@ def kda_reference(q, k, v, g, beta, A_log, dt_bias, initial_state, scale):
         x = x.reshape((B, N, C) + x.shape[2:])
         return x.permute(1, 0, 3, 2, *range(4, x.dim())).contiguous()
 
-    qf, kf = q.to(acc), k.to(acc)
-    qf = qf * torch.rsqrt((qf * qf).sum(-1, keepdim=True) + 1e-6)
-    kf = kf * torch.rsqrt((kf * kf).sum(-1, keepdim=True) + 1e-6)
     x = g.to(acc) if dt_bias is None else g.to(acc) + dt_bias.to(acc)
     decay = -torch.exp(A_log.to(acc))[:, None] * F.softplus(x)  # [B, T, H, K]
-    Q, Kc, Vc, G = chunks(qf), chunks(kf), chunks(v), chunks(decay).cumsum(-2)
+    Q, Kc, Vc = chunks(l2_normalize(q, acc)), chunks(l2_normalize(k, acc)), chunks(v)
+    G = chunks(decay).cumsum(-2)
     b = chunks(torch.sigmoid(beta.to(acc)))  # [N, B, H, C]
     t_idx = torch.arange(C, device=q.device)
     lower_eq = t_idx[:, None] >= t_idx[None, :]
@@ -85,7 +84,7 @@ def kda_reference(q, k, v, g, beta, A_log, dt_bias, initial_state, scale):
     # The states entering every chunk (a state decay per row), then every chunk's output at once.
     states = state_scan(eGC, Kend_t, W, Kend_t @ U0, S0)  # [N + 1, B, H, K, V]
     S = states[:N]
-    o = s * ((Q * eG) @ S + P @ (U0 - W @ S))  # [N, B, H, C, V]
+    o = s * ((Q * eG - P @ W) @ S + P @ U0)  # [N, B, H, C, V]
     o = o.permute(1, 0, 3, 2, 4).reshape(B, N * C, H, V)[:, :T]
     return o.to(v.dtype), states[N]
 
