@@ -215,20 +215,27 @@ def test_gpu_fla_chunk_backward(shape):
         _gpu_check("fla_chunk", shape, torch.bfloat16, grad=True)
 
 
+@pytest.mark.parametrize("views", [False, True], ids=["contiguous", "views"])
 @pytest.mark.parametrize("per_row_decay", [False, True], ids=["gdr_decay", "kda_decay"])
-def test_the_state_pass_gradients_match_finite_differences(per_row_decay):
+def test_the_state_pass_gradients_match_finite_differences(per_row_decay, views):
     """kernelgate._state_scan's hand-written backward (every input: decay, Kend^T, W, c, S_0)
     against torch.autograd.gradcheck in float64, and its second derivatives (the backward
     differentiated by autograd) against gradgradcheck, for a decay per state row (kda) and one per
-    chunk (gated_delta_rule), with several chunks and a batch."""
+    chunk (gated_delta_rule), with several chunks and a batch; Kend^T and W also as the views the
+    references pass (a transpose, a slice of the last dim), which it reads in place."""
     from kernelgate._state_scan import state_scan
 
     torch.manual_seed(0)
     N, B, dk, C, dv = 3, 2, 4, 5, 3
     f64 = dict(dtype=torch.float64)
     decay = torch.rand(N, B, dk if per_row_decay else 1, 1, **f64).requires_grad_()
-    kend_t = (0.3 * torch.randn(N, B, dk, C, **f64)).requires_grad_()
-    w = (0.3 * torch.randn(N, B, C, dk, **f64)).requires_grad_()
+    if views:
+        kend_t = (0.3 * torch.randn(N, B, C, dk, **f64)).transpose(-1, -2).detach().requires_grad_()
+        w = (0.3 * torch.randn(N, B, C, dk + 2, **f64))[..., 1:dk + 1].detach().requires_grad_()
+        assert not kend_t.is_contiguous() and not w.is_contiguous()
+    else:
+        kend_t = (0.3 * torch.randn(N, B, dk, C, **f64)).requires_grad_()
+        w = (0.3 * torch.randn(N, B, C, dk, **f64)).requires_grad_()
     c = torch.randn(N, B, dk, dv, **f64).requires_grad_()
     s0 = torch.randn(B, dk, dv, **f64).requires_grad_()
     assert torch.autograd.gradcheck(state_scan, (decay, kend_t, w, c, s0))
@@ -244,3 +251,75 @@ def test_the_state_pass_gradients_match_finite_differences(per_row_decay):
     for n in range(N):  # the recurrence itself, step by step
         s = decay[n] * s - kend_t[n] @ (w[n] @ s) + c[n]
         torch.testing.assert_close(states[n + 1], s)
+
+
+def test_the_l2_normalisation_is_twice_differentiable_and_the_plain_formula():
+    """The references' q, k normalisation (kernelgate._l2norm, a Function that keeps only its
+    input): gradcheck and gradgradcheck in float64 with a zero row among random ones, and at a
+    bf16 input the float32 values and gradient of the plain autograd code it replaces."""
+    from kernelgate._l2norm import l2_normalize
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 4, 6, dtype=torch.float64)
+    x[1, 2] = 0.0
+    x.requires_grad_()
+    f = lambda t: l2_normalize(t, torch.float64)  # noqa: E731
+    assert torch.autograd.gradcheck(f, (x,)) and torch.autograd.gradgradcheck(f, (x,))
+    xb = torch.randn(5, 7, 64, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(5, 7, 64)
+    y = l2_normalize(xb, torch.float32)
+    (gx,) = torch.autograd.grad(y, xb, dy)
+    xp = xb.detach().clone().requires_grad_()
+    xf = xp.float()
+    yp = xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + 1e-6)
+    (gp,) = torch.autograd.grad(yp, xp, dy)
+    assert y.dtype == torch.float32 and gx.dtype == torch.bfloat16
+    torch.testing.assert_close(y, yp, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(gx, gp, rtol=0, atol=0)
+
+
+class _Shapes(torch.utils._python_dispatch.TorchDispatchMode):
+    """The shape and dtype of every tensor an op returns while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.outputs = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.outputs.append((tuple(t.shape), t.dtype))
+        return out
+
+
+@pytest.mark.parametrize("op", ["gated_delta_rule", "kda"])
+def test_the_chunked_references_form_no_dk_by_dk_matrix_and_keep_no_float32_copy_of_q_or_k(op):
+    """What keeps the references' forward+backward within the memory of the plain code they
+    replace (bench/bench_gated_delta_rule.py): the state pass applies its transition through
+    [chunk, dv] products and never forms the [dk, dk] matrix of a chunk, and the backward keeps no
+    float32 [batch, seq, heads, dk] copy of a bf16 q or k (the normalisation keeps its input). dk,
+    dv and the chunks are sizes no other tensor of the op has."""
+    import importlib
+
+    fn = getattr(importlib.import_module(f"kernelgate.{op}"), f"{op}_reference")
+    B, T, H, K, V = 2, 100, 2, 24, 40
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=g).to(torch.bfloat16)  # noqa: E731
+    gate = (B, T, H) if op == "gated_delta_rule" else (B, T, H, K)
+    leaves = [t.requires_grad_() for t in (r(B, T, H, K), r(B, T, H, K), r(B, T, H, V), r(*gate), r(B, T, H),
+                                           r(H), r(*gate[2:]))]
+    saved = []
+    with _Shapes() as shapes, torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        o, final = fn(*leaves, None, K ** -0.5)
+        torch.autograd.grad((o.float().square().sum() + final.square().sum()), leaves)
+    assert shapes.outputs, "the dispatch mode saw no op"
+    assert not [s for s, _ in shapes.outputs if s[-2:] == (K, K)]
+    copies = []
+    for x in leaves[:2]:
+        xf = x.detach().float()
+        copies += [xf, xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + 1e-6)]
+    assert any(t is leaves[0] for t in saved)  # q itself is what is kept
+    float_copies = [t for t in saved if t.dtype == torch.float32 and t.shape == leaves[0].shape
+                    and any(torch.equal(t.detach(), c) for c in copies)]
+    assert not float_copies
