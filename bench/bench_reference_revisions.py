@@ -8,7 +8,9 @@ revision before it on the same GPU, in the same process.
 Each revision's `python/kernelgate/<op>.py` is read with `git show` and run in kernelgate's package
 (its own imports resolve to the installed package, so a helper module such as
 kernelgate._state_scan is the checkout's at every revision: the JSON's `installed_package` says
-which; the op is not defined a second time). The
+which; the op is not defined a second time). With --helpers, the kernelgate helper modules the
+op's file imports by name (`from ._state_scan import state_scan`; not `_define`) are read at the
+revision too, so each revision's whole reference is timed. The
 revisions are timed in order, then in reverse order, so a clock that drifts over the run shows as
 a difference between the two passes. CUDA-event medians of whole calls (host gaps included), each
 after an L2 flush; peak memory is the forward+backward's above its inputs. On a machine without a
@@ -16,10 +18,12 @@ GPU it runs the same on the CPU at a tiny shape (a check of the script; its time
 
     python bench/bench_reference_revisions.py --revs 22a0b6f,341f695,66685f5,82a843b \
         --out bench/results/h100/reference_revisions_gdr_kda.json
+    python bench/bench_reference_revisions.py --revs 084a10e,5e59c2b --helpers
 """
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import time
@@ -37,20 +41,38 @@ def git(*args: str) -> str:
     return subprocess.run(["git", "-C", REPO, *args], check=True, capture_output=True, text=True).stdout
 
 
-def load_reference(op: str, rev: str):
-    """`<op>_reference` of python/kernelgate/<op>.py at git revision `rev`."""
-    return reference_from_text(op, rev, git("show", f"{rev}:python/kernelgate/{op}.py"))
+_HELPER_IMPORT = re.compile(r"^from \.(_\w+) import ([\w, ]+)$", re.M)
 
 
-def reference_from_text(op: str, rev: str, src: str):
-    """`<op>_reference` of the module text `src` (revision `rev`'s python/kernelgate/<op>.py)."""
+def load_reference(op: str, rev: str, helpers: bool = False):
+    """`<op>_reference` of python/kernelgate/<op>.py at git revision `rev` (with `helpers`, the
+    helper modules it imports from that revision too)."""
+    source = lambda name: git("show", f"{rev}:python/kernelgate/{name}.py")  # noqa: E731
+    return reference_from_text(op, rev, source(op), source if helpers else None)
+
+
+def _module(name: str, rev: str, src: str) -> types.ModuleType:
+    """Module text `src` run in kernelgate's package (its relative imports resolve there)."""
+    mod = types.ModuleType(f"kernelgate._rev_{rev}_{name}")
+    mod.__package__ = "kernelgate"
+    mod._not_defined = lambda *args, **kwargs: None
+    exec(compile(src, f"{rev}:{name}.py", "exec"), mod.__dict__)
+    return mod
+
+
+def reference_from_text(op: str, rev: str, src: str, helper_source=None):
+    """`<op>_reference` of the module text `src` (revision `rev`'s python/kernelgate/<op>.py);
+    `helper_source(name)`, if given, is the text of each helper module `_name` it imports by name,
+    whose names then replace the installed package's in the op's module."""
     marker = f"\n{op} = define_op("
     if marker not in src:
         raise ValueError(f"{rev}:python/kernelgate/{op}.py does not define the op as `{op} = define_op(`")
-    mod = types.ModuleType(f"kernelgate._rev_{rev}_{op}")
-    mod.__package__ = "kernelgate"
-    mod._not_defined = lambda *args, **kwargs: None
-    exec(compile(src.replace(marker, f"\n{op} = _not_defined("), f"{rev}:{op}.py", "exec"), mod.__dict__)
+    mod = _module(op, rev, src.replace(marker, f"\n{op} = _not_defined("))
+    for helper, names in _HELPER_IMPORT.findall(src) if helper_source else ():
+        if helper != "_define":  # the op is not defined: define_op is never called
+            loaded = _module(helper, rev, helper_source(helper))
+            for name in (n.strip() for n in names.split(",")):
+                mod.__dict__[name] = loaded.__dict__[name]
     return mod.__dict__[f"{op}_reference"]
 
 
@@ -102,6 +124,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default=None,
                     help="B,T,H,K;... (dv = dk); default 4,2048,16,128;4,4096,16,128 on a GPU, 1,70,2,8 on the CPU")
     ap.add_argument("--samples", type=int, default=5)
+    ap.add_argument("--helpers", action="store_true",
+                    help="read the helper modules the op imports (kernelgate._state_scan, ...) at each revision too")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -109,14 +133,15 @@ def main(argv=None) -> int:
     revs = args.revs.split(",")
     env = environment("python bench/bench_reference_revisions.py " + " ".join(argv if argv is not None else sys.argv[1:]))
     env["revisions"] = {rev: git("rev-parse", "--short", rev).strip() for rev in revs}
-    # Only the op's own file comes from each revision: what it imports (kernelgate._state_scan, say)
-    # is the installed package's, built from this checkout.
+    # Without --helpers only the op's own file comes from each revision: what it imports
+    # (kernelgate._state_scan, say) is the installed package's, built from this checkout.
+    env["helpers_from_each_revision"] = args.helpers
     changed = git("status", "--porcelain", "--", "python/kernelgate").splitlines()
     env["installed_package"] = {"checkout": git("rev-parse", "--short", "HEAD").strip(),
                                 "uncommitted_in_python_kernelgate": [c[3:] for c in changed if c.strip()]}
     rows = []
     for op in args.ops.split(","):
-        refs = {rev: load_reference(op, rev) for rev in revs}
+        refs = {rev: load_reference(op, rev, args.helpers) for rev in revs}
         for shape in shapes.split(";"):
             B, T, H, K = (int(x) for x in shape.split(","))
             leaves = layer_inputs(op, B, T, H, K, device)

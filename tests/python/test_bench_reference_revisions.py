@@ -1,6 +1,6 @@
 """bench/bench_reference_revisions.py on the CPU: a reference loaded from a git revision is the
-installed op's reference (same outputs and gradients, float64, to the bit), loading does not
-define the op a second time, and the script runs and records one row per op, shape and revision.
+installed op's reference (same outputs and gradients, float64, to the bit), with --helpers its
+helper modules come from the revision too, loading does not define the op a second time, and the script runs and records one row per op, shape and revision.
 (Its timings on the CPU mean nothing; the revisions are compared on a GPU.)"""
 
 import json
@@ -48,6 +48,23 @@ def test_a_revisions_reference_is_the_installed_one(op, module):
 
 
 @needs_git
+def test_with_helpers_a_revision_runs_its_own_state_pass():
+    """084a10e's gated_delta_rule with its own kernelgate._state_scan (the pass that formed a
+    [dk, dk] matrix per chunk), not the installed one: the same op, so the same result to rounding."""
+    with_helpers = brr.load_reference("gated_delta_rule", "084a10e", helpers=True)
+    without = brr.load_reference("gated_delta_rule", "084a10e")
+    installed_scan = sys.modules["kernelgate._state_scan"].state_scan
+    assert without.__globals__["state_scan"] is installed_scan
+    revision_scan = with_helpers.__globals__["state_scan"]
+    assert revision_scan is not installed_scan and "_transition" in revision_scan.__globals__
+    leaves = _f64(brr.layer_inputs("gated_delta_rule", 1, 70, 2, 8, "cpu"))
+    a, a_state = with_helpers(*leaves, None, 0.0)
+    b, b_state = gdr_module.gated_delta_rule_reference(*leaves, None, 0.0)
+    torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(a_state, b_state, rtol=1e-12, atol=1e-12)
+
+
+@needs_git
 def test_loading_a_revision_defines_no_op():
     before = [o["name"] for o in kernelgate.ops()]
     assert "gated_delta_rule" in before
@@ -75,3 +92,4 @@ def test_the_script_records_every_op_shape_and_revision(tmp_path):
     for r in rows:
         assert r["errors"] == [] and r["fwdbwd_ms_pass1"] > 0 and r["fwdbwd_ms_pass2"] > 0
         assert r["x_baseline"] == pytest.approx(1.0)  # the baseline against itself
+    assert data["helpers_from_each_revision"] is False
