@@ -20,13 +20,15 @@ the gated_delta_rule op's reference with the decay per channel: with G the cumul
 of the chunk per channel, A_ts = b_t sum_c k_tc k_sc exp(G_tc - G_sc) (s < t) and the output's
 P_ts = sum_c q_tc k_sc exp(G_tc - G_sc) (s <= t) are formed from the masked exponentials
 themselves (every exponent <= 0: nothing overflows however strong the decay; the [16, 16, dk]
-block per chunk is why the chunk is short); U = U0 - W S_0 with U0 = (I + A)^-1 diag(b) V and
+block per chunk is why the chunk is short), in blocks of chunks and again in the backward rather
+than kept (_DecayedProducts); U = U0 - W S_0 with U0 = (I + A)^-1 diag(b) V and
 W = (I + A)^-1 diag(b) (K exp G), solved for every chunk at once. The state leaving a chunk,
 exp(G_C) S_0 + (K exp(G_C - G))^T U, is the linear recurrence of kernelgate._state_scan (three
 small kernels per chunk forward and backward); then o = scale ((Q exp G - P W) S_0 + P U0) for every
 chunk at once. A sequence not a multiple of 16 is padded with steps of decay 0 and b = 0. Its
-gradients are autograd's through that code (the state pass's and the q, k normalisation's
-written out); tests/python/test_kda.py checks it against the step-by-step recurrence in float64.
+gradients are autograd's through that code (the state pass's, the decay products' and the q, k
+normalisation's written out); tests/python/test_kda.py checks it against the step-by-step
+recurrence in float64.
 """
 
 import torch
@@ -34,6 +36,78 @@ import torch
 from ._define import define_op
 from ._l2norm import l2_normalize
 from ._state_scan import state_scan
+
+# Elements of a block of the within-chunk decay products' [chunks, ..., C, C, dk] temporaries
+# (two at a time: 64 MiB in float32).
+_BLOCK = 1 << 23
+
+
+def _masked_decay(G, transposed=False):
+    """exp(G_t - G_s) per key channel for s <= t and 0 elsewhere, indexed [..., t, s, dk] (or
+    [..., s, t, dk] if transposed), from G [..., C, dk], the cumulative log decay: every exponent is
+    <= 0, so nothing overflows however strong the decay."""
+    idx = torch.arange(G.shape[-2], device=G.device)
+    first, second = G[..., :, None, :], G[..., None, :, :]
+    if transposed:  # [s, t]: G_t - G_s where t >= s
+        diff, outside = second - first, idx[None, :] < idx[:, None]
+    else:
+        diff, outside = first - second, idx[:, None] < idx[None, :]
+    return torch.exp(diff.masked_fill(outside[..., None], float("-inf")))
+
+
+def _chunk_blocks(x):
+    """Slices of x's leading (chunk) dim with at most about _BLOCK elements of [..., C, C, dk] each."""
+    per_chunk = x[:1].numel() * x.shape[-2]
+    step = max(1, _BLOCK // max(1, per_chunk))
+    return [slice(i, i + step) for i in range(0, x.shape[0], step)]
+
+
+def _rows_times(m, x):
+    """sum_c m[..., t, s, c] x[..., t, c] -> [..., t, s] (a matmul per row t: no product temporary)."""
+    return (m @ x[..., :, :, None]).squeeze(-1)
+
+
+def _weighted_rows(w, m):
+    """sum_s w[..., t, s] m[..., t, s, c] -> [..., t, c]."""
+    return (w[..., :, None, :] @ m).squeeze(-2)
+
+
+class _DecayedProducts(torch.autograd.Function):
+    """kk_ts = sum_c k_tc k_sc E_tsc and qk_ts = sum_c q_tc k_sc E_tsc for q, k, G [chunks, ..., C,
+    dk] (E = _masked_decay(G)), in blocks of chunks. E, [chunks, ..., C, C, dk], is recomputed in
+    the backward rather than kept: as plain autograd code it and the products' operands were most
+    of what the reference kept for its backward (dk times the size of everything else per chunk).
+    With t_side = sum_s dkk_ts E_tsc k_sc and s_side = sum_t E_tsc (dkk_ts k_tc + dqk_ts q_tc):
+    dq = sum_s dqk_ts E_tsc k_sc, dk = t_side + s_side, dG = k t_side + q dq - k s_side. The
+    backward is written in differentiable ops, so the reference stays twice differentiable."""
+
+    @staticmethod
+    def forward(ctx, q, k, G):
+        ctx.save_for_backward(q, k, G)
+        kk, qk = [], []
+        for b in _chunk_blocks(q):
+            ek = _masked_decay(G[b]).mul_(k[b][..., None, :, :])  # E_tsc k_sc
+            kk.append(_rows_times(ek, k[b]))
+            qk.append(_rows_times(ek, q[b]))
+        return torch.cat(kk), torch.cat(qk)
+
+    @staticmethod
+    def backward(ctx, d_kk, d_qk):
+        q, k, G = ctx.saved_tensors
+        dq, dk, dG = [], [], []
+        for b in _chunk_blocks(q):
+            kb, qb, dkk, dqk = k[b], q[b], d_kk[b], d_qk[b]
+            ek = _masked_decay(G[b]) * kb[..., None, :, :]
+            dq_b, t_side = _weighted_rows(dqk, ek), _weighted_rows(dkk, ek)
+            del ek
+            et = _masked_decay(G[b], transposed=True)  # [s, t, c]
+            s_side = (_weighted_rows(dkk.transpose(-1, -2), et * kb[..., None, :, :])
+                      + _weighted_rows(dqk.transpose(-1, -2), et * qb[..., None, :, :]))
+            dq.append(dq_b)
+            dk.append(t_side + s_side)
+            dG.append(kb * (t_side - s_side) + qb * dq_b)
+        return torch.cat(dq), torch.cat(dk), torch.cat(dG)
+
 
 SCHEMA = ("kda(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor A_log, "
           "Tensor? dt_bias=None, Tensor? initial_state=None, float scale=0.0) -> (Tensor, Tensor)")
@@ -65,16 +139,13 @@ def kda_reference(q, k, v, g, beta, A_log, dt_bias, initial_state, scale):
     Q, Kc, Vc = chunks(l2_normalize(q, acc)), chunks(l2_normalize(k, acc)), chunks(v)
     G = chunks(decay).cumsum(-2)
     b = chunks(torch.sigmoid(beta.to(acc)))  # [N, B, H, C]
-    t_idx = torch.arange(C, device=q.device)
-    lower_eq = t_idx[:, None] >= t_idx[None, :]
-    # exp(G_t - G_s) per key channel for s <= t, every exponent <= 0: [N, B, H, C, C, dk]
-    E = torch.exp((G[..., :, None, :] - G[..., None, :, :]).masked_fill(~lower_eq[..., None], float("-inf")))
-    A = (b[..., None] * torch.einsum("...tk,...sk,...tsk->...ts", Kc, Kc, E)).tril(-1)
-    P = torch.einsum("...tk,...sk,...tsk->...ts", Q, Kc, E)
-    eye = torch.eye(C, dtype=acc, device=q.device)
+    kk, P = _DecayedProducts.apply(Q, Kc, G)  # [N, B, H, C, C], 0 above the diagonal
+    # A's strictly lower part; the solve reads neither its diagonal (unit) nor above it, and gives
+    # the diagonal no gradient
+    A = b[..., None] * kk
     eG = torch.exp(G)
     # Every chunk's WY factors at once (they need no state): U = U0 - W S_0.
-    UW = torch.linalg.solve_triangular(eye + A, torch.cat([b[..., None] * Vc, b[..., None] * (Kc * eG)], -1),
+    UW = torch.linalg.solve_triangular(A, torch.cat([b[..., None] * Vc, b[..., None] * (Kc * eG)], -1),
                                        upper=False, unitriangular=True)
     U0, W = UW[..., :V], UW[..., V:]
     Kend_t = (Kc * torch.exp(G[..., -1:, :] - G)).transpose(-1, -2)  # keys decayed to the chunk's end, per channel

@@ -120,6 +120,31 @@ def _bad_cases():
     ]
 
 
+@pytest.mark.parametrize("block", [1 << 23, 3 * (2 * 4 * 5) * 4], ids=["one_block", "blocks_of_3_chunks"])
+def test_the_decay_products_recompute_their_decays_exactly(block, monkeypatch):
+    """kernelgate.kda's within-chunk products (kk, qk: their [chunk, chunk, dk] decays recomputed
+    in the backward, in blocks of chunks) against the plain einsum of the masked exponentials, and
+    their first and second derivatives against gradcheck and gradgradcheck, in one block and in
+    blocks of 3 of 7 chunks (the last block shorter)."""
+    import sys
+
+    kda_module = sys.modules["kernelgate.kda"]
+    monkeypatch.setattr(kda_module, "_BLOCK", block)
+    torch.manual_seed(0)
+    N, B, C, dk = 7, 2, 4, 5
+    f64 = dict(dtype=torch.float64)
+    q, k = torch.randn(N, B, C, dk, **f64), torch.randn(N, B, C, dk, **f64)
+    G = (-torch.rand(N, B, C, dk, **f64)).cumsum(-2)  # a cumulative log decay
+    q, k, G = (x.requires_grad_() for x in (q, k, G))
+    kk, qk = kda_module._DecayedProducts.apply(q, k, G)
+    lower = torch.ones(C, C, dtype=torch.bool).tril()
+    E = torch.exp((G[..., :, None, :] - G[..., None, :, :]).masked_fill(~lower[..., None], float("-inf")))
+    torch.testing.assert_close(kk, torch.einsum("...tc,...sc,...tsc->...ts", k, k, E), rtol=1e-13, atol=1e-13)
+    torch.testing.assert_close(qk, torch.einsum("...tc,...sc,...tsc->...ts", q, k, E), rtol=1e-13, atol=1e-13)
+    assert torch.autograd.gradcheck(kda_module._DecayedProducts.apply, (q, k, G))
+    assert torch.autograd.gradgradcheck(kda_module._DecayedProducts.apply, (q, k, G))
+
+
 @pytest.mark.parametrize("args,kwargs,message", _bad_cases())
 def test_bad_input_names_the_argument(args, kwargs, message):
     with pytest.raises(RuntimeError, match=message):
