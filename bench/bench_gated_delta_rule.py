@@ -1,23 +1,23 @@
-"""gated_delta_rule on the GPU, in the Gated DeltaNet layer's fused form (raw gate and beta logits,
-A_log, dt_bias; q and k l2-normalised in the op): forward and forward+backward (every input's
-gradient) of
+"""gated_delta_rule or kda on the GPU, in the layer's fused form (raw gate and beta logits, A_log,
+dt_bias; q and k l2-normalised in the op): forward and forward+backward (every input's gradient) of
 
-  eager            the layer as plain PyTorch code (bench_hybrid_step.eager_layer_gdr: the gates,
-                   F.normalize, the chunked delta rule with autograd keeping its graph)
-  kg_reference     kg.gated_delta_rule served by its reference (the chunked form in float32; its
-                   backward recomputes the forward, as every reference backward does)
-  kg_dropin        kernelgate.fla.chunk_gated_delta_rule as installed (FLA, or kernelgate's op
-                   where FLA refuses the call's backward)
-  fla_chunk        FLA's chunk_gated_delta_rule (forward+backward: refused on Hopper with Triton
-                   3.4 to 3.7.0, recorded as such)
-  fla_fused_recurrent  FLA's fused_recurrent_gated_delta_rule, forward only
+  eager            the layer as plain PyTorch code (gated_delta_rule: bench_hybrid_step.eager_layer_gdr,
+                   the gates, F.normalize, the chunked delta rule with autograd keeping its graph;
+                   kda: eager_layer_kda below, the same with a decay per key channel, in chunks of 16)
+  kg_reference     kg.gated_delta_rule / kg.kda served by its reference (the chunked form in float32)
+  kg_dropin        kernelgate.fla.chunk_gated_delta_rule / chunk_kda as installed (FLA, or kernelgate's
+                   op where FLA refuses the call or its evidence does not pass it)
+  fla_chunk        FLA's chunk_gated_delta_rule / chunk_kda (gated_delta_rule's forward+backward:
+                   refused on Hopper with Triton 3.4 to 3.7.0, recorded as such)
+  fla_fused_recurrent  FLA's fused_recurrent_gated_delta_rule, forward only (gated_delta_rule)
 
 Default shapes: the hybrid step's layer (B4 T2048 H16 K=V=128) and issue 16's (B4 T4096), bf16.
 Times are CUDA-event medians over whole calls, host launch gaps included (the chunked PyTorch
-forms launch a few kernels per 64-step chunk); peak memory is the forward+backward's above its
-inputs.
+forms launch a few kernels per chunk); peak memory is the forward+backward's above its inputs.
+The eager rows are the "plain PyTorch code" of the fallback rule (docs/evidence.md) for these ops.
 
     python bench/bench_gated_delta_rule.py --out bench/results/h200/gated_delta_rule.json
+    python bench/bench_gated_delta_rule.py --op kda --out bench/results/h200/kda.json
 """
 
 import argparse
@@ -26,11 +26,58 @@ import sys
 import torch
 
 import kernelgate as kg
+import torch.nn.functional as F
+
 from bench_hybrid_step import FUSED, eager_layer_gdr
 from common import environment, print_table, time_ms, write_json
 
+KDA_CHUNK = 16
 
-def variants():
+
+def chunked_kda(q, k, v, g, beta, scale, chunk=KDA_CHUNK):
+    """The KDA recurrence in plain PyTorch, chunk by chunk, on [batch, seq, heads, dim] (q, k
+    already l2-normalised; g [batch, seq, heads, dk] <= 0 in log space, beta in [0, 1]); float32
+    math (float64 for float64 inputs). Per head, with state S [dk, dv]: S_t = diag(exp(g_t))
+    S_{t-1} + k_t u_t^T, u_t = beta_t (v_t - (diag(exp(g_t)) S_{t-1})^T k_t), o_t = scale S_t^T q_t.
+    Within a chunk, with G the running sum of g and E_tsc = exp(G_tc - G_sc) for s <= t (masked
+    before exp: no overflow): (I + diag(beta) strict(sum_c k_tc k_sc E_tsc)) U = diag(beta) (V -
+    (K exp G) S0), O = scale ((Q exp G) S0 + (sum_c q_tc k_sc E_tsc) U), the state leaving it
+    diag(exp G_C) S0 + (K exp(G_C - G))^T U."""
+    dt, acc = v.dtype, torch.promote_types(v.dtype, torch.float32)
+    q, k, v, g = (t.transpose(1, 2).to(acc) for t in (q, k, v, g))  # [B, H, T, d]
+    beta = beta.transpose(1, 2).to(acc)  # [B, H, T]
+    B, H, T, dk = k.shape
+    state = q.new_zeros(B, H, dk, v.shape[-1])
+    outs = []
+    for s in range(0, T, chunk):
+        qc, kc, vc = q[:, :, s:s + chunk], k[:, :, s:s + chunk], v[:, :, s:s + chunk]
+        bc = beta[:, :, s:s + chunk]
+        G = g[:, :, s:s + chunk].cumsum(-2)
+        n = G.shape[-2]
+        lower = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        E = torch.exp((G[..., :, None, :] - G[..., None, :, :]).masked_fill(~lower[..., None], float("-inf")))
+        kk = torch.einsum("...tc,...sc,...tsc->...ts", kc, kc, E)
+        qk = torch.einsum("...tc,...sc,...tsc->...ts", qc, kc, E)
+        tmat = torch.eye(n, device=q.device, dtype=acc) + bc[..., None] * kk.tril(-1)
+        u = torch.linalg.solve_triangular(tmat, bc[..., None] * (vc - (kc * G.exp()) @ state), upper=False,
+                                          unitriangular=True)
+        outs.append(scale * ((qc * G.exp()) @ state + qk @ u))
+        last = G[..., -1:, :]
+        state = last.exp().transpose(-1, -2) * state + (kc * torch.exp(last - G)).transpose(-1, -2) @ u
+    return torch.cat(outs, 2).transpose(1, 2).to(dt)
+
+
+def eager_layer_kda(q, k, v, a, b, A_log, dt_bias, scale):
+    """The KDA layer's gates as plain PyTorch code, g = -exp(A_log) softplus(a + dt_bias) per key
+    channel in float32 (dt_bias [heads, dk]) and beta = sigmoid(b), q and k by F.normalize, then
+    chunked_kda."""
+    g = -A_log.float().exp()[:, None] * F.softplus(a.float() + dt_bias.float())
+    return chunked_kda(F.normalize(q, dim=-1), F.normalize(k, dim=-1), v, g, torch.sigmoid(b), scale)
+
+
+def variants(op="gated_delta_rule"):
+    if op == "kda":
+        return kda_variants()
     out = {
         "eager": lambda q, k, v, a, b, A, dt, s: eager_layer_gdr(q, k, v, a, b, A, dt, s),
         "kg_reference": lambda q, k, v, a, b, A, dt, s: kg.gated_delta_rule(q, k, v, a, b, A, dt, None, s)[0],
@@ -55,20 +102,45 @@ def variants():
     return out, notes
 
 
-def measure(name, f, shape, dtype):
+def kda_variants():
+    out = {
+        "eager": eager_layer_kda,
+        "kg_reference": lambda q, k, v, a, b, A, dt, s: kg.kda(q, k, v, a, b, A, dt, None, s)[0],
+    }
+    notes = []
+    try:
+        from kernelgate.fla import chunk_kda as dropin
+
+        out["kg_dropin"] = lambda q, k, v, a, b, A, dt, s: dropin(q, k, v, a, b, scale=s, A_log=A,
+                                                                  dt_bias=dt.reshape(-1), **FUSED)[0]
+    except Exception as exc:  # kernelgate.fla needs FLA installed
+        notes.append(f"kg_dropin not measured: {type(exc).__name__}: {exc}")
+    try:
+        from fla.ops.kda import chunk_kda
+
+        out["fla_chunk"] = lambda q, k, v, a, b, A, dt, s: chunk_kda(q, k, v, a, b, scale=s, A_log=A,
+                                                                     dt_bias=dt.reshape(-1), **FUSED)[0]
+    except Exception as exc:
+        notes.append(f"FLA not measured: {type(exc).__name__}: {exc}")
+    return out, notes
+
+
+def measure(name, f, shape, dtype, op="gated_delta_rule"):
     B, T, H, K = shape
     g = torch.Generator(device="cuda").manual_seed(0)
 
     def r(*s):
         return torch.randn(*s, device="cuda", dtype=dtype, generator=g)
 
+    per_channel = op == "kda"  # kda's gate and dt_bias have a value per key channel
     q, k, v = r(B, T, H, K), r(B, T, H, K), r(B, T, H, K)
-    a, b = r(B, T, H), r(B, T, H)
-    A_log, dt_bias = r(H), r(H)  # in the model's dtype, as the hybrid step's parameters are
+    a, b = (r(B, T, H, K) if per_channel else r(B, T, H)), r(B, T, H)
+    # in the model's dtype, as a model's parameters are
+    A_log, dt_bias = r(H), (r(H, K) if per_channel else r(H))
     leaves = [t.requires_grad_() for t in (q, k, v, a, b, A_log, dt_bias)]
     scale = K ** -0.5
     rec = {"variant": name, "shape": [B, T, H, K, K], "dtype": str(dtype).replace("torch.", "")}
-    force = kg.use(force={"gated_delta_rule": "reference"}) if name == "kg_reference" else None
+    force = kg.use(force={op: "reference"}) if name == "kg_reference" else None
     if force is not None:
         force.__enter__()
     try:
@@ -103,25 +175,26 @@ def with_ratios(records):
 
 def main() -> int:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--op", default="gated_delta_rule", choices=["gated_delta_rule", "kda"])
     ap.add_argument("--shapes", default="4,2048,16,128;4,4096,16,128", help="B,T,H,K;... (dv = dk)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     env = environment("python " + " ".join(sys.argv))
-    fns, notes = variants()
+    fns, notes = variants(args.op)
     records = []
     for spec in args.shapes.split(";"):
         shape = tuple(int(x) for x in spec.split(","))
         for name, f in fns.items():
             try:
-                records.append(measure(name, f, shape, dtype))
+                records.append(measure(name, f, shape, dtype, args.op))
             except Exception as exc:  # a variant that fails here is a result
                 records.append({"variant": name, "shape": list(shape), "failed": f"{type(exc).__name__}: {str(exc)[:240]}"})
             print(records[-1], flush=True)
             with_ratios(records)
             if args.out:  # after every record: a run cut short keeps what it measured
-                write_json(args.out, {**env, "notes": notes, "records": records})
+                write_json(args.out, {**env, "op": args.op, "notes": notes, "records": records})
     print("; ".join(notes))
     print_table(records, ["variant", "shape", "fwd_ms", "x_eager_fwd", "fwdbwd_ms", "x_eager_fwdbwd",
                           "fwdbwd_peak_extra_mib", "fwdbwd_refused"])

@@ -52,7 +52,7 @@ def _masked_decay(G, transposed=False):
         diff, outside = second - first, idx[None, :] < idx[:, None]
     else:
         diff, outside = first - second, idx[:, None] < idx[None, :]
-    return torch.exp(diff.masked_fill(outside[..., None], float("-inf")))
+    return torch.exp(diff.masked_fill_(outside[..., None], float("-inf")))  # diff: a temporary of its own
 
 
 def _chunk_blocks(x):
