@@ -267,9 +267,12 @@ def served(cfg, dev, dt):
                                                                              activation="silu")}
     from kernelgate.fla import explain_chunk_gated_delta_rule
     Hg, Dh = cfg["gdn_heads"], cfg["gdn_dim"]
+    gdr = (t(B, S, Hg, Dh), t(B, S, Hg, Dh), t(B, S, Hg, Dh), t(B, S, Hg), t(B, S, Hg))
     out["gated_delta_rule (kernelgate.fla)"] = {"reason": explain_chunk_gated_delta_rule(
-        t(B, S, Hg, Dh), t(B, S, Hg, Dh), t(B, S, Hg, Dh), t(B, S, Hg), t(B, S, Hg), A_log=t(Hg), dt_bias=t(Hg),
-        scale=Dh ** -0.5, **FUSED)}
+        *gdr, A_log=t(Hg), dt_bias=t(Hg), scale=Dh ** -0.5, **FUSED)}
+    if out["gated_delta_rule (kernelgate.fla)"]["reason"] == "kernelgate":  # then the op's own choice
+        e = kg.explain("gated_delta_rule", *gdr, t(Hg), t(Hg))
+        out["gated_delta_rule (kernelgate.fla)"].update(backend=e.backend, op_reason=e.reason)
     return out
 
 
