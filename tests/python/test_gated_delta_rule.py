@@ -297,9 +297,10 @@ class _Shapes(torch.utils._python_dispatch.TorchDispatchMode):
 def test_the_chunked_references_form_no_dk_by_dk_matrix_and_keep_no_float32_copy_of_q_or_k(op):
     """What keeps the references' forward+backward within the memory of the plain code they
     replace (bench/bench_gated_delta_rule.py): the state pass applies its transition through
-    [chunk, dv] products and never forms the [dk, dk] matrix of a chunk, and the backward keeps no
-    float32 [batch, seq, heads, dk] copy of a bf16 q or k (the normalisation keeps its input). dk,
-    dv and the chunks are sizes no other tensor of the op has."""
+    [chunk, dv] products and never forms the [dk, dk] matrix of a chunk, the backward keeps no
+    float32 [batch, seq, heads, dk] copy of a bf16 q or k (the normalisation keeps its input), and
+    kda's keeps no [chunk, chunk, dk] decays. dk, dv and the chunks are sizes no other tensor of
+    the op has."""
     import importlib
 
     fn = getattr(importlib.import_module(f"kernelgate.{op}"), f"{op}_reference")
@@ -323,3 +324,5 @@ def test_the_chunked_references_form_no_dk_by_dk_matrix_and_keep_no_float32_copy
     float_copies = [t for t in saved if t.dtype == torch.float32 and t.shape == leaves[0].shape
                     and any(torch.equal(t.detach(), c) for c in copies)]
     assert not float_copies
+    if op == "kda":  # nor its [chunk, chunk, dk] decays (recomputed in the backward), chunks of 16
+        assert not [t for t in saved if t.dim() >= 3 and tuple(t.shape[-3:]) == (16, 16, K)]
