@@ -18,7 +18,7 @@ GPU it runs the same on the CPU at a tiny shape (a check of the script; its time
 
     python bench/bench_reference_revisions.py --revs 22a0b6f,341f695,66685f5,82a843b \
         --out bench/results/h100/reference_revisions_gdr_kda.json
-    python bench/bench_reference_revisions.py --revs 084a10e,5e59c2b --helpers
+    python bench/bench_reference_revisions.py --revs 084a10e,. --helpers
 """
 
 import argparse
@@ -34,6 +34,16 @@ import torch
 from common import environment, print_table, time_ms, write_json
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+WORKTREE = "."  # as a revision: the files of this checkout as they are (committed or not)
+
+
+def _folder(rev: str):
+    """The folder a revision's files are read from, if not git: '.' is the checkout's
+    python/kernelgate; an existing folder holds the op's file and its helpers (for a machine whose
+    copy of the checkout lacks the commit: stage them with `git show REV:python/kernelgate/...`)."""
+    if rev == WORKTREE:
+        return os.path.join(REPO, "python", "kernelgate")
+    return rev if os.path.isdir(rev) else None
 
 
 def git(*args: str) -> str:
@@ -47,7 +57,14 @@ _HELPER_IMPORT = re.compile(r"^from \.(_\w+) import ([\w, ]+)$", re.M)
 def load_reference(op: str, rev: str, helpers: bool = False):
     """`<op>_reference` of python/kernelgate/<op>.py at git revision `rev` (with `helpers`, the
     helper modules it imports from that revision too)."""
-    source = lambda name: git("show", f"{rev}:python/kernelgate/{name}.py")  # noqa: E731
+    folder = _folder(rev)
+
+    def source(name):
+        if folder is not None:
+            with open(os.path.join(folder, f"{name}.py")) as f:
+                return f.read()
+        return git("show", f"{rev}:python/kernelgate/{name}.py")
+
     return reference_from_text(op, rev, source(op), source if helpers else None)
 
 
@@ -120,7 +137,9 @@ def measure(reference, leaves, samples: int):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ops", default="gated_delta_rule,kda")
-    ap.add_argument("--revs", required=True, help="comma-separated git revisions, the baseline first")
+    ap.add_argument("--revs", required=True,
+                    help="comma-separated git revisions, the baseline first; '.' is this checkout's files, "
+                         "a folder holds a revision's python/kernelgate files")
     ap.add_argument("--shapes", default=None,
                     help="B,T,H,K;... (dv = dk); default 4,2048,16,128;4,4096,16,128 on a GPU, 1,70,2,8 on the CPU")
     ap.add_argument("--samples", type=int, default=5)
@@ -132,7 +151,8 @@ def main(argv=None) -> int:
     shapes = args.shapes or ("4,2048,16,128;4,4096,16,128" if device == "cuda" else "1,70,2,8")
     revs = args.revs.split(",")
     env = environment("python bench/bench_reference_revisions.py " + " ".join(argv if argv is not None else sys.argv[1:]))
-    env["revisions"] = {rev: git("rev-parse", "--short", rev).strip() for rev in revs}
+    env["revisions"] = {rev: "worktree" if rev == WORKTREE else f"folder {rev}" if _folder(rev)
+                        else git("rev-parse", "--short", rev).strip() for rev in revs}
     # Without --helpers only the op's own file comes from each revision: what it imports
     # (kernelgate._state_scan, say) is the installed package's, built from this checkout.
     env["helpers_from_each_revision"] = args.helpers

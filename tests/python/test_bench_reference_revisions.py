@@ -64,6 +64,25 @@ def test_with_helpers_a_revision_runs_its_own_state_pass():
     torch.testing.assert_close(a_state, b_state, rtol=1e-12, atol=1e-12)
 
 
+def test_the_worktree_or_a_folder_as_a_revision(tmp_path):
+    """'.' reads the checkout's files as they are, a folder the files staged in it (a GPU machine's
+    copy of a checkout may carry stale git metadata): the checkout's kda gives the installed
+    reference's results to the bit; a staged state pass is the one the reference then runs."""
+    leaves = _f64(brr.layer_inputs("kda", 1, 37, 2, 8, "cpu"))
+    b, b_state = kda_module.kda_reference(*leaves, None, 0.0)
+    package = os.path.join(REPO, "python", "kernelgate")
+    for name in ("kda", "_state_scan", "_l2norm"):
+        text = open(os.path.join(package, f"{name}.py")).read()
+        if name == "_state_scan":
+            text += "\nSTAGED = True\n"
+        (tmp_path / f"{name}.py").write_text(text)
+    for rev in (brr.WORKTREE, str(tmp_path)):
+        loaded = brr.load_reference("kda", rev, helpers=True)
+        a, a_state = loaded(*leaves, None, 0.0)
+        assert torch.equal(a, b) and torch.equal(a_state, b_state)
+        assert loaded.__globals__["state_scan"].__globals__.get("STAGED", False) == (rev != brr.WORKTREE)
+
+
 @needs_git
 def test_loading_a_revision_defines_no_op():
     before = [o["name"] for o in kernelgate.ops()]
