@@ -8,7 +8,8 @@
 #      reference_revisions.json. BASE is .carry/base_rev if it holds staged files (the GPU
 #      machine's copy of the checkout may lack recent commits), else the revision itself; stage it
 #      here before the call: bash scripts/gpu_linear_attention.sh --stage
-#   3. bench_gated_delta_rule.py for both ops at B4 T2048 H16 K128 -> gated_delta_rule.json, kda.json
+#   3. bench_gated_delta_rule.py: gated_delta_rule at B4 T2048 and T4096 H16 K128 (where the memory
+#      rule's margin is thinnest), kda at T2048 -> gated_delta_rule.json, kda.json
 #   4. bench_hybrid_step.py --variants eager,kernelgate,fla_liger --gdr chunked -> hybrid_step.json
 # FLA's and Liger's wheels in .carry/wheels are installed by the build step (scripts/gpu_check.sh).
 #   OUT=... bash scripts/gpu_linear_attention.sh
@@ -46,7 +47,7 @@ run() {  # run SECONDS_CAP command...: at most the cap, or what is left of the c
 BASE=$BASE_REV; [ -f ../.carry/base_rev/kda.py ] && BASE=../.carry/base_rev
 run 120 python3 bench_reference_revisions.py --revs "$BASE,." --helpers --shapes 4,2048,16,128 \
   --out "$OUT/reference_revisions.json"
-run 90 python3 bench_gated_delta_rule.py --shapes 4,2048,16,128 --out "$OUT/gated_delta_rule.json"
+run 150 python3 bench_gated_delta_rule.py --shapes "4,2048,16,128;4,4096,16,128" --out "$OUT/gated_delta_rule.json"
 run 120 python3 bench_gated_delta_rule.py --op kda --shapes 4,2048,16,128 --out "$OUT/kda.json"
 run 200 python3 bench_hybrid_step.py --variants eager,kernelgate,fla_liger --gdr chunked --out "$OUT/hybrid_step.json"
 echo "done: $(( $(date +%s) - T0 )) s"
