@@ -24,11 +24,11 @@ import argparse
 import sys
 
 import torch
-
-import kernelgate as kg
 import torch.nn.functional as F
 
+import kernelgate as kg
 from bench_hybrid_step import FUSED, eager_layer_gdr
+from bench_reference_revisions import layer_inputs
 from common import environment, print_table, time_ms, write_json
 
 KDA_CHUNK = 16
@@ -127,17 +127,8 @@ def kda_variants():
 
 def measure(name, f, shape, dtype, op="gated_delta_rule"):
     B, T, H, K = shape
-    g = torch.Generator(device="cuda").manual_seed(0)
-
-    def r(*s):
-        return torch.randn(*s, device="cuda", dtype=dtype, generator=g)
-
-    per_channel = op == "kda"  # kda's gate and dt_bias have a value per key channel
-    q, k, v = r(B, T, H, K), r(B, T, H, K), r(B, T, H, K)
-    a, b = (r(B, T, H, K) if per_channel else r(B, T, H)), r(B, T, H)
-    # in the model's dtype, as a model's parameters are
-    A_log, dt_bias = r(H), (r(H, K) if per_channel else r(H))
-    leaves = [t.requires_grad_() for t in (q, k, v, a, b, A_log, dt_bias)]
+    # A_log and dt_bias in the model's dtype, as a model's parameters are
+    leaves = layer_inputs(op, B, T, H, K, "cuda", dtype=dtype, param_dtype=dtype)
     scale = K ** -0.5
     rec = {"variant": name, "shape": [B, T, H, K, K], "dtype": str(dtype).replace("torch.", "")}
     force = kg.use(force={op: "reference"}) if name == "kg_reference" else None

@@ -93,19 +93,20 @@ def reference_from_text(op: str, rev: str, src: str, helper_source=None):
     return mod.__dict__[f"{op}_reference"]
 
 
-def layer_inputs(op: str, B: int, T: int, H: int, K: int, device: str):
-    """q, k, v, g, beta, A_log, dt_bias of the layer (dv = dk), every one requiring its gradient."""
+def layer_inputs(op: str, B: int, T: int, H: int, K: int, device: str, dtype=torch.bfloat16,
+                 param_dtype=torch.float32):
+    """q, k, v, g, beta (in `dtype`), A_log, dt_bias (in `param_dtype`) of the layer (dv = dk),
+    every one requiring its gradient, from a generator seeded 0 on `device`."""
     gen = torch.Generator(device=device).manual_seed(0)
-    bf16 = dict(device=device, dtype=torch.bfloat16)
 
-    def r(*shape, **kw):
-        return torch.randn(*shape, generator=gen, **{**dict(device=device), **kw})
+    def r(*shape, dt=dtype):
+        return torch.randn(*shape, generator=gen, device=device, dtype=dt)
 
     per_channel = op == "kda"  # kda's gate and dt_bias have a value per key channel
-    q, k, v = r(B, T, H, K, **bf16), r(B, T, H, K, **bf16), r(B, T, H, K, **bf16)
-    g = r(B, T, H, K, **bf16) if per_channel else r(B, T, H, **bf16)
-    beta, A_log = r(B, T, H, **bf16), r(H)
-    dt_bias = r(H, K) if per_channel else r(H)
+    q, k, v = r(B, T, H, K), r(B, T, H, K), r(B, T, H, K)
+    g = r(B, T, H, K) if per_channel else r(B, T, H)
+    beta, A_log = r(B, T, H), r(H, dt=param_dtype)
+    dt_bias = r(H, K, dt=param_dtype) if per_channel else r(H, dt=param_dtype)
     return [x.requires_grad_() for x in (q, k, v, g, beta, A_log, dt_bias)]
 
 
