@@ -14,20 +14,7 @@ REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.join(REPO, "bench"))
 from bench_gated_delta_rule import chunked_kda, eager_layer_kda  # noqa: E402
 
-from test_kda import recurrence  # noqa: E402  (the op's definition step by step)
-
-
-def recurrent_kda(q, k, v, g, beta, scale):
-    """chunked_kda's recurrence one step at a time (q, k normalised, g the log decay per channel)."""
-    B, T, H, dk = k.shape
-    S = q.new_zeros(B, H, dk, v.shape[-1])
-    out = []
-    for t in range(T):
-        S = S * torch.exp(g[:, t])[..., None]
-        u = beta[:, t, :, None] * (v[:, t] - torch.einsum("bhkv,bhk->bhv", S, k[:, t]))
-        S = S + k[:, t, :, :, None] * u[:, :, None, :]
-        out.append(scale * torch.einsum("bhkv,bhk->bhv", S, q[:, t]))
-    return torch.stack(out, 1)
+from test_kda import recurrence, steps  # noqa: E402  (the op's definition step by step)
 
 
 @pytest.mark.parametrize("seq,chunk", [(40, 16), (5, 16), (16, 16), (1, 4), (23, 5)])
@@ -39,7 +26,7 @@ def test_the_plain_chunked_kda_is_the_recurrence(seq, chunk):
     v, g, beta = r(B, seq, H, dv), -F.softplus(r(B, seq, H, dk)) * 3, torch.sigmoid(r(B, seq, H))
     leaves = [t.requires_grad_() for t in (q, k, v, g, beta)]
     got = chunked_kda(*leaves, dk ** -0.5, chunk=chunk)
-    want = recurrent_kda(*leaves, dk ** -0.5)
+    want = steps(*leaves, dk ** -0.5, q.new_zeros(B, H, dk, dv))[0]
     assert got.shape == (B, seq, H, dv) and got.dtype == torch.float64
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
     cot = r(B, seq, H, dv)

@@ -27,8 +27,14 @@ def recurrence(q, k, v, g, beta, A_log, dt_bias, initial_state, scale):
     B, T, H, K = q.shape
     s = (K ** -0.5 if K else 1.0) if scale == 0 else scale
     S = torch.zeros(B, H, K, v.shape[-1], dtype=torch.float64) if initial_state is None else initial_state.double()
+    return steps(q, k, v, a, b, s, S)
+
+
+def steps(q, k, v, a, b, s, S):
+    """The recurrence itself from state S, on q, k normalised, the log decay a per key channel and
+    b in [0, 1]: (o, the final state)."""
     out = []
-    for t in range(T):
+    for t in range(q.shape[1]):
         S = S * torch.exp(a[:, t])[..., None]
         u = b[:, t, :, None] * (v[:, t] - torch.einsum("bhkv,bhk->bhv", S, k[:, t]))
         S = S + k[:, t, :, :, None] * u[:, :, None, :]
