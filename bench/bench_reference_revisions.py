@@ -9,8 +9,9 @@ Each revision's `python/kernelgate/<op>.py` is read with `git show` and run in k
 (its own imports resolve to the installed package, so a helper module such as
 kernelgate._state_scan is the checkout's at every revision: the JSON's `installed_package` says
 which; the op is not defined a second time). With --helpers, the kernelgate helper modules the
-op's file imports by name (`from ._state_scan import state_scan`; not `_define`) are read at the
-revision too, so each revision's whole reference is timed. The
+op's file imports by name (`from ._state_scan import chunk_pass`; not `_define`) are read at the
+revision too (the revision's import line is not run: the installed helper may lack the name), so
+each revision's whole reference is timed. The
 revisions are timed in order, then in reverse order, so a clock that drifts over the run shows as
 a difference between the two passes. CUDA-event medians of whole calls (host gaps included), each
 after an L2 flush; peak memory is the forward+backward's above its inputs. On a machine without a
@@ -68,10 +69,12 @@ def load_reference(op: str, rev: str, helpers: bool = False):
     return reference_from_text(op, rev, source(op), source if helpers else None)
 
 
-def _module(name: str, rev: str, src: str) -> types.ModuleType:
-    """Module text `src` run in kernelgate's package (its relative imports resolve there)."""
+def _module(name: str, rev: str, src: str, given=None) -> types.ModuleType:
+    """Module text `src` run in kernelgate's package (its relative imports resolve there), with
+    the names in `given` defined before it runs."""
     mod = types.ModuleType(f"kernelgate._rev_{rev}_{name}")
     mod.__package__ = "kernelgate"
+    mod.__dict__.update(given or {})
     mod._not_defined = lambda *args, **kwargs: None
     exec(compile(src, f"{rev}:{name}.py", "exec"), mod.__dict__)
     return mod
@@ -84,13 +87,15 @@ def reference_from_text(op: str, rev: str, src: str, helper_source=None):
     marker = f"\n{op} = define_op("
     if marker not in src:
         raise ValueError(f"{rev}:python/kernelgate/{op}.py does not define the op as `{op} = define_op(`")
-    mod = _module(op, rev, src.replace(marker, f"\n{op} = _not_defined("))
+    src = src.replace(marker, f"\n{op} = _not_defined(")
+    given = {}
     for helper, names in _HELPER_IMPORT.findall(src) if helper_source else ():
         if helper != "_define":  # the op is not defined: define_op is never called
             loaded = _module(helper, rev, helper_source(helper))
-            for name in (n.strip() for n in names.split(",")):
-                mod.__dict__[name] = loaded.__dict__[name]
-    return mod.__dict__[f"{op}_reference"]
+            given.update({n: loaded.__dict__[n] for n in (n.strip() for n in names.split(","))})
+            # the revision's import of the helper is not run: the installed helper may lack its names
+            src = src.replace(f"from .{helper} import {names}\n", "")
+    return _module(op, rev, src, given).__dict__[f"{op}_reference"]
 
 
 def layer_inputs(op: str, B: int, T: int, H: int, K: int, device: str, dtype=torch.bfloat16,
