@@ -1,17 +1,21 @@
-"""The chunk-to-chunk state pass of the chunked linear-attention references (gated_delta_rule, kda).
+"""The pass over the chunks of the chunked linear-attention references (gated_delta_rule, kda):
+every chunk's output and the final state.
 
-With every chunk's WY factors known, the state entering chunk n + 1 is
+With every chunk's WY factors known, chunk n, entered with state S_n, has the corrected values
+U_n = U0_n - W_n S_n, the output O_n = Qd_n S_n + P_n U_n and hands on
 
-    S_{n+1} = M_n S_n + c_n,    M_n = diag(decay_n) - Kend_n^T W_n,    c_n = Kend_n^T U0_n
+    S_{n+1} = diag(decay_n) S_n + Kend_n^T U_n
 
 (decay_n: the chunk's total decay, one per state row or one for all; Kend_n: its keys decayed to
-the chunk's end; U0_n - W_n S_n: its corrected values). Only this recurrence is sequential: three
-small kernels per chunk forward and three backward, where autograd through the unrolled loop would
-launch a dozen per chunk. Everything else the references compute from all states at once.
-M is never formed: each step applies it as decay_n S_n - Kend_n^T (W_n S_n), through a
-[chunk, dv] product, so no [dk, dk] matrix per chunk is held forward or backward (for a chunk
-shorter than dk it is also fewer flops). The backward is written in differentiable ops, so the
-references stay twice differentiable.
+the chunk's end; Qd_n: its queries decayed from its start; P_n: the decayed query-key products
+within it, zero above the diagonal). Only the states are sequential: three small kernels per chunk
+forward, four backward; the outputs and every gradient other than the states' are products of all
+chunks at once. The transition is never formed as a [dk, dk] matrix, and no tensor of the states'
+size is held beside the states themselves: the states are the one such tensor forward, and their
+gradients the one more backward (the outputs' gradient enters each chunk's state gradient inside
+the pass, so neither a gradient of every entering state from the outputs nor one assembled from
+slices of the states is made). The backward is written in differentiable ops and the states are
+an output, so the references stay twice differentiable.
 """
 
 import torch
@@ -22,60 +26,84 @@ def _rows(x):
     return x.flatten(1, -3)
 
 
-class _StateScan(torch.autograd.Function):
+def _t(x):
+    return x.transpose(-1, -2)
+
+
+class _ChunkPass(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, decay, kend_t, w, c, s0):
-        n = c.shape[0]
-        states = torch.empty((n + 1,) + tuple(c.shape[1:]), dtype=c.dtype, device=c.device)
+    def forward(ctx, decay, kend_t, w, u0, qd, p, s0):
+        ctx.set_materialize_grads(False)
+        n = u0.shape[0]
+        states = torch.empty((n + 1,) + tuple(s0.shape), dtype=u0.dtype, device=u0.device)
         states[0] = s0
-        eb, kb, wb, cb, sb = (_rows(x) for x in (decay, kend_t, w, c, states))
-        ws = states.new_empty(wb.shape[1:-1] + sb.shape[-1:])  # W_n S_n, [batch, chunk, dv]
+        u = torch.empty(u0.shape, dtype=u0.dtype, device=u0.device)  # every chunk's U_n
+        eb, kb, wb, u0b, ub, sb = (_rows(x) for x in (decay, kend_t, w, u0, u, states))
         for i in range(n):
-            torch.bmm(wb[i], sb[i], out=ws)
-            torch.addcmul(cb[i], eb[i], sb[i], out=sb[i + 1])
-            sb[i + 1].baddbmm_(kb[i], ws, alpha=-1.0)
-        ctx.save_for_backward(decay, kend_t, w, states)
-        return states
+            torch.baddbmm(u0b[i], wb[i], sb[i], alpha=-1.0, out=ub[i])
+            torch.mul(eb[i], sb[i], out=sb[i + 1])
+            sb[i + 1].baddbmm_(kb[i], ub[i])
+        o = torch.matmul(qd, states[:n])
+        o += torch.matmul(p, u)
+        ctx.save_for_backward(decay, kend_t, w, u0, qd, p, states)
+        return o, states[n].clone(), states
 
     @staticmethod
-    def backward(ctx, d_states):
-        decay, kend_t, w, states = ctx.saved_tensors
+    def backward(ctx, d_o, d_final, d_states):
+        decay, kend_t, w, u0, qd, p, states = ctx.saved_tensors
         n = states.shape[0] - 1
-        eb, kb, wb = (_rows(x) for x in (decay, kend_t, w))
-        db = _rows(d_states.contiguous())
-        # g[i]: the gradient of the state entering chunk i, all paths: g_i = d_i + M_i^T g_{i+1},
-        # M_i^T g = decay_i g - W_i^T (Kend_i g).
+        s = states[:n]
+        u = u0 - w @ s  # recomputed: one tensor of the outputs' size while the backward runs
+        if d_o is None:
+            d_o = torch.zeros_like(u)
+        d_o = d_o.contiguous()
+        d_last = torch.zeros_like(states[n]) if d_final is None else d_final
+        dsb = None if d_states is None else _rows(d_states)
+        if dsb is not None:
+            d_last = d_last + d_states[n]
+        d_last = d_last.flatten(0, -3)
+        # g_i: the gradient of S_i, all paths; du_i: that of U_i. Going back over the chunks:
+        #   du_i = P_i^T dO_i + Kend_i g_{i+1}
+        #   g_i  = decay_i g_{i+1} + Qd_i^T dO_i - W_i^T du_i (+ d_states_i)
+        eb, kb, wb, qb, db = (_rows(x) for x in (decay, kend_t, w, qd, d_o))
         if torch.is_grad_enabled():
-            # create_graph: out-of-place, so that autograd differentiates this backward (the
-            # references are twice differentiable; the saved states through this Function again).
-            gs = [db[n]]
+            # create_graph: out of place, so that autograd differentiates this backward (the
+            # states through this Function again, as one of its outputs)
+            pb = _rows(_t(p) @ d_o)
+            gs, dus = [d_last], []
             for i in range(n - 1, -1, -1):
-                gs.append(torch.baddbmm(torch.addcmul(db[i], eb[i], gs[-1]), wb[i].transpose(-1, -2),
-                                        kb[i].transpose(-1, -2) @ gs[-1], alpha=-1.0))
+                dus.append(torch.baddbmm(pb[i], _t(kb[i]), gs[-1]))
+                g = torch.baddbmm(torch.baddbmm(eb[i] * gs[-1], _t(qb[i]), db[i]), _t(wb[i]), dus[-1], alpha=-1.0)
+                gs.append(g if dsb is None else g + dsb[i])
             g = torch.stack(gs[::-1]).view(states.shape)
-        else:  # into one buffer: no list of per-chunk gradients beside the stacked one
+            du = torch.stack(dus[::-1]).view(u.shape)
+        else:  # into two buffers, in place
+            du = _t(p) @ d_o
             g = torch.empty_like(states)
-            gb = _rows(g)
-            gb[n] = db[n]
-            kg = states.new_empty(wb.shape[1:-1] + gb.shape[-1:])  # Kend_i g_{i+1}, [batch, chunk, dv]
+            gb, dub = _rows(g), _rows(du)
+            gb[n] = d_last
             for i in range(n - 1, -1, -1):
-                torch.bmm(kb[i].transpose(-1, -2), gb[i + 1], out=kg)
-                torch.addcmul(db[i], eb[i], gb[i + 1], out=gb[i])
-                gb[i].baddbmm_(wb[i].transpose(-1, -2), kg, alpha=-1.0)
-        g_next, s = g[1:], states[:n]
+                dub[i].baddbmm_(_t(kb[i]), gb[i + 1])
+                torch.mul(eb[i], gb[i + 1], out=gb[i])
+                gb[i].baddbmm_(_t(qb[i]), db[i])
+                gb[i].baddbmm_(_t(wb[i]), dub[i], alpha=-1.0)
+                if dsb is not None:
+                    gb[i] += dsb[i]
+        g_next = g[1:]
         # d decay_i = sum over dv (and over dk for one decay per chunk) of g_{i+1} * S_i
         d_decay = torch.einsum("...kv,...kv->...k", g_next, s)[..., None].sum_to_size(decay.shape)
-        ws = w @ s  # [N, ..., chunk, dv]
-        d_kend_t = torch.matmul(g_next, ws.transpose(-1, -2)).neg_()  # -g_{i+1} (W_i S_i)^T
-        del ws
-        kg = kend_t.transpose(-1, -2) @ g_next  # [N, ..., chunk, dv]
-        d_w = torch.matmul(kg, s.transpose(-1, -2)).neg_()  # -(Kend_i g_{i+1}) S_i^T
-        return d_decay, d_kend_t, d_w, g_next, g[0]
+        d_kend_t = g_next @ _t(u)
+        d_w = (du @ _t(s)).neg_()
+        d_qd = d_o @ _t(s)
+        d_p = d_o @ _t(u)
+        return d_decay, d_kend_t, d_w, du, d_qd, d_p, g[0]
 
 
-def state_scan(decay, kend_t, w, c, s0):
-    """Every chunk's entering state and the final one, [N + 1, ..., dk, dv], for decay [N, ...,
-    dk or 1, 1], kend_t [N, ..., dk, C], w [N, ..., C, dk], c [N, ..., dk, dv], s0 [..., dk, dv]."""
-    # kend_t and w as given (a transposed or sliced view is read in place: a contiguous copy would
-    # be one more saved tensor of the chunks' size)
-    return _StateScan.apply(decay, kend_t, w, c.contiguous(), s0.contiguous())
+def chunk_pass(decay, kend_t, w, u0, qd, p, s0):
+    """Every chunk's output O_n = Qd_n S_n + P_n (U0_n - W_n S_n), [N, ..., C, dv], the final state,
+    [..., dk, dv], and the states entering every chunk and the final one, [N + 1, ..., dk, dv] (kept
+    for the backward; the final state is a copy of its last), for decay [N, ..., dk or 1, 1], kend_t
+    [N, ..., dk, C], w and qd [N, ..., C, dk], u0 [N, ..., C, dv], p [N, ..., C, C], s0 [..., dk, dv]."""
+    # kend_t, w and u0 as given (a transposed or sliced view is read in place: a contiguous copy
+    # would be one more saved tensor of the chunks' size)
+    return _ChunkPass.apply(decay, kend_t, w, u0, qd, p, s0.contiguous())

@@ -23,15 +23,15 @@ A_ts = b_t exp(G_t - G_s) k_t.k_s for s < t (unit lower triangular: torch's tria
 o = scale (diag(exp G) Q S_0 + (exp(G_t - G_s) q_t.k_s)_{s<=t} U), and the chunk's final state
 is exp(G_C) S_0 + K^T diag(exp(G_C - G)) U. The triangular systems of every chunk are solved at
 once, before the pass over the chunks (U = U0 - W S_0 with U0 = (I + A)^-1 diag(b) V and
-W = (I + A)^-1 diag(b exp G) K, which need no state). The pass over the chunks is then the linear
-recurrence S' = (exp(G_C) I - Kend^T W) S + Kend^T U0 (Kend: the keys decayed to the chunk's
-end), three small kernels per chunk forward and three backward (kernelgate._state_scan), and
-every chunk's output comes from its entering state at once, as
-scale ((diag(exp G) Q - qk W) S_0 + qk U0). Every exponent is <= 0 (the decays are masked before
+W = (I + A)^-1 diag(b exp G) K, which need no state). The pass over the chunks
+(kernelgate._state_scan) then carries the state, S' = exp(G_C) S + Kend^T U (Kend: the keys
+decayed to the chunk's end), three small kernels per chunk forward and four backward, and gives
+every chunk's output from the states at once. Every exponent is <= 0 (the decays are masked before
 exp), so nothing overflows; a sequence not a multiple of 64 is padded with steps of decay 0 and
-b = 0, which leave the state as it is. Its gradients are autograd's through that code (the state
-pass's and the q, k normalisation's written out, so that the backward keeps no float32 copy of q
-or k and no [dk, dk] matrix per chunk); tests/python/test_gated_delta_rule.py checks it against
+b = 0, which leave the state as it is. Its gradients are autograd's through that code (the pass's
+and the q, k normalisation's written out, so that the backward keeps no float32 copy of q or k,
+no [dk, dk] matrix per chunk and no tensor of the states' size beside the states and their
+gradients); tests/python/test_gated_delta_rule.py checks it against
 the step-by-step recurrence in float64.
 """
 
@@ -39,7 +39,7 @@ import torch
 
 from ._define import define_op
 from ._l2norm import l2_normalize
-from ._state_scan import state_scan
+from ._state_scan import chunk_pass
 
 SCHEMA = ("gated_delta_rule(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor A_log, "
           "Tensor? dt_bias=None, Tensor? initial_state=None, float scale=0.0) -> (Tensor, Tensor)")
@@ -89,13 +89,11 @@ def gated_delta_rule_reference(q, k, v, g, beta, A_log, dt_bias, initial_state, 
     qk = (Q @ Kc.transpose(-1, -2)) * D
     S0 = (torch.zeros(B, H, K, V, dtype=acc, device=q.device) if initial_state is None
           else initial_state.to(acc))
-    # The states entering every chunk, then every chunk's output from its state at once.
-    states = state_scan(eGC, Kend_t, W, Kend_t @ U0, S0)  # [N + 1, B, H, K, V]
-    S = states[:N]
-    # o = s (diag(exp G) Q S + qk (U0 - W S)), with one [C, dv] product per chunk kept for the backward
-    o = s * ((eG * Q - qk @ W) @ S + qk @ U0)  # [N, B, H, C, V]
-    o = o.permute(1, 0, 3, 2, 4).reshape(B, N * C, H, V)[:, :T]
-    return o.to(v.dtype), states[N]
+    # The pass over the chunks: o = s (diag(exp G) Q S + qk U) with U = U0 - W S, S the state
+    # entering the chunk
+    o, final, _ = chunk_pass(eGC, Kend_t, W, U0, eG * Q, qk, S0)  # o: [N, B, H, C, V]
+    o = (s * o).permute(1, 0, 3, 2, 4).reshape(B, N * C, H, V)[:, :T]
+    return o.to(v.dtype), final
 
 
 gated_delta_rule = define_op(

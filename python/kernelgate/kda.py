@@ -23,9 +23,9 @@ themselves (every exponent <= 0: nothing overflows however strong the decay; the
 block per chunk is why the chunk is short), in blocks of chunks and again in the backward rather
 than kept (_DecayedProducts); U = U0 - W S_0 with U0 = (I + A)^-1 diag(b) V and
 W = (I + A)^-1 diag(b) (K exp G), solved for every chunk at once. The state leaving a chunk,
-exp(G_C) S_0 + (K exp(G_C - G))^T U, is the linear recurrence of kernelgate._state_scan (three
-small kernels per chunk forward and backward); then o = scale ((Q exp G - P W) S_0 + P U0) for every
-chunk at once. A sequence not a multiple of 16 is padded with steps of decay 0 and b = 0. Its
+exp(G_C) S_0 + (K exp(G_C - G))^T U, is carried by the pass over the chunks of
+kernelgate._state_scan (three small kernels per chunk forward, four backward), which gives
+o = scale ((Q exp G) S_0 + P U) for every chunk at once. A sequence not a multiple of 16 is padded with steps of decay 0 and b = 0. Its
 gradients are autograd's through that code (the state pass's, the decay products' and the q, k
 normalisation's written out); tests/python/test_kda.py checks it against the step-by-step
 recurrence in float64.
@@ -35,7 +35,7 @@ import torch
 
 from ._define import define_op
 from ._l2norm import l2_normalize
-from ._state_scan import state_scan
+from ._state_scan import chunk_pass
 
 # Elements of a block of the within-chunk decay products' [chunks, ..., C, C, dk] temporaries
 # (two at a time: 64 MiB in float32).
@@ -152,12 +152,10 @@ def kda_reference(q, k, v, g, beta, A_log, dt_bias, initial_state, scale):
     eGC = torch.exp(G[..., -1, :])[..., None]  # [N, B, H, K, 1]
     S0 = (torch.zeros(B, H, K, V, dtype=acc, device=q.device) if initial_state is None
           else initial_state.to(acc))
-    # The states entering every chunk (a state decay per row), then every chunk's output at once.
-    states = state_scan(eGC, Kend_t, W, Kend_t @ U0, S0)  # [N + 1, B, H, K, V]
-    S = states[:N]
-    o = s * ((Q * eG - P @ W) @ S + P @ U0)  # [N, B, H, C, V]
-    o = o.permute(1, 0, 3, 2, 4).reshape(B, N * C, H, V)[:, :T]
-    return o.to(v.dtype), states[N]
+    # The pass over the chunks (a state decay per row): o = s (diag(exp G) Q S + P U)
+    o, final, _ = chunk_pass(eGC, Kend_t, W, U0, Q * eG, P, S0)  # o: [N, B, H, C, V]
+    o = (s * o).permute(1, 0, 3, 2, 4).reshape(B, N * C, H, V)[:, :T]
+    return o.to(v.dtype), final
 
 
 kda = define_op(

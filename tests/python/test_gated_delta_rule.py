@@ -217,13 +217,14 @@ def test_gpu_fla_chunk_backward(shape):
 
 @pytest.mark.parametrize("views", [False, True], ids=["contiguous", "views"])
 @pytest.mark.parametrize("per_row_decay", [False, True], ids=["gdr_decay", "kda_decay"])
-def test_the_state_pass_gradients_match_finite_differences(per_row_decay, views):
-    """kernelgate._state_scan's hand-written backward (every input: decay, Kend^T, W, c, S_0)
-    against torch.autograd.gradcheck in float64, and its second derivatives (the backward
-    differentiated by autograd) against gradgradcheck, for a decay per state row (kda) and one per
-    chunk (gated_delta_rule), with several chunks and a batch; Kend^T and W also as the views the
-    references pass (a transpose, a slice of the last dim), which it reads in place."""
-    from kernelgate._state_scan import state_scan
+def test_the_chunk_pass_gradients_match_finite_differences(per_row_decay, views):
+    """kernelgate._state_scan's hand-written backward (every input: decay, Kend^T, W, U0, Qd, P,
+    S_0; every output: the chunks' outputs, the final state, the states) against
+    torch.autograd.gradcheck in float64, and its second derivatives (the backward differentiated by
+    autograd) against gradgradcheck, for a decay per state row (kda) and one per chunk
+    (gated_delta_rule), with several chunks and a batch; Kend^T, W and U0 also as the views the
+    references pass (a transpose, slices of the last dim), which it reads in place."""
+    from kernelgate._state_scan import chunk_pass
 
     torch.manual_seed(0)
     N, B, dk, C, dv = 3, 2, 4, 5, 3
@@ -231,26 +232,36 @@ def test_the_state_pass_gradients_match_finite_differences(per_row_decay, views)
     decay = torch.rand(N, B, dk if per_row_decay else 1, 1, **f64).requires_grad_()
     if views:
         kend_t = (0.3 * torch.randn(N, B, C, dk, **f64)).transpose(-1, -2).detach().requires_grad_()
-        w = (0.3 * torch.randn(N, B, C, dk + 2, **f64))[..., 1:dk + 1].detach().requires_grad_()
-        assert not kend_t.is_contiguous() and not w.is_contiguous()
+        uw = 0.3 * torch.randn(N, B, C, dv + dk, **f64)
+        u0, w = uw[..., :dv].detach().requires_grad_(), uw[..., dv:].detach().requires_grad_()
+        assert not kend_t.is_contiguous() and not w.is_contiguous() and not u0.is_contiguous()
     else:
         kend_t = (0.3 * torch.randn(N, B, dk, C, **f64)).requires_grad_()
         w = (0.3 * torch.randn(N, B, C, dk, **f64)).requires_grad_()
-    c = torch.randn(N, B, dk, dv, **f64).requires_grad_()
+        u0 = torch.randn(N, B, C, dv, **f64).requires_grad_()
+    qd = torch.randn(N, B, C, dk, **f64).requires_grad_()
+    p = torch.randn(N, B, C, C, **f64).tril().requires_grad_()
     s0 = torch.randn(B, dk, dv, **f64).requires_grad_()
-    assert torch.autograd.gradcheck(state_scan, (decay, kend_t, w, c, s0))
-    assert torch.autograd.gradgradcheck(state_scan, (decay, kend_t, w, c, s0))
-    # its two ways to the first-order gradients (in place, or out of place under create_graph) agree
-    inputs, cot = (decay, kend_t, w, c, s0), torch.randn(N + 1, B, dk, dv, **f64)
-    plain = torch.autograd.grad(state_scan(*inputs), inputs, cot)
-    graphed = torch.autograd.grad(state_scan(*inputs), inputs, cot, create_graph=True)
-    for a, b in zip(plain, graphed, strict=True):
-        torch.testing.assert_close(a, b.detach(), rtol=1e-13, atol=1e-13)
-    states = state_scan(decay, kend_t, w, c, s0)
+    inputs = (decay, kend_t, w, u0, qd, p, s0)
+    assert torch.autograd.gradcheck(chunk_pass, inputs)
+    assert torch.autograd.gradgradcheck(chunk_pass, inputs)
+    # its two ways to the first-order gradients (in place, or out of place under create_graph)
+    # agree, with and without a gradient of the states output
+    cot = (torch.randn(N, B, C, dv, **f64), torch.randn(B, dk, dv, **f64), torch.randn(N + 1, B, dk, dv, **f64))
+    for used in (2, 3):
+        outs = lambda: chunk_pass(*inputs)[:used]  # noqa: E731
+        plain = torch.autograd.grad(outs(), inputs, cot[:used])
+        graphed = torch.autograd.grad(outs(), inputs, cot[:used], create_graph=True)
+        for a, b in zip(plain, graphed, strict=True):
+            torch.testing.assert_close(a, b.detach(), rtol=1e-13, atol=1e-13)
+    o, final, states = chunk_pass(*inputs)
     s = s0
     for n in range(N):  # the recurrence itself, step by step
-        s = decay[n] * s - kend_t[n] @ (w[n] @ s) + c[n]
+        u = u0[n] - w[n] @ s
+        torch.testing.assert_close(o[n], qd[n] @ s + p[n] @ u)
+        s = decay[n] * s + kend_t[n] @ u
         torch.testing.assert_close(states[n + 1], s)
+    torch.testing.assert_close(final, s)
 
 
 def test_the_l2_normalisation_is_twice_differentiable_and_the_plain_formula():
