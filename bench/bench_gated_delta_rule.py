@@ -18,6 +18,10 @@ The eager rows are the "plain PyTorch code" of the fallback rule (docs/evidence.
 
     python bench/bench_gated_delta_rule.py --out bench/results/h200/gated_delta_rule.json
     python bench/bench_gated_delta_rule.py --op kda --out bench/results/h200/kda.json
+
+--profile adds, for kg_reference at the first shape, where its forward+backward spends device time:
+the ATen ops by self device time (with their call counts) and the number of kernels launched, from
+torch.profiler over one call after warm-up.
 """
 
 import argparse
@@ -155,6 +159,31 @@ def measure(name, f, shape, dtype, op="gated_delta_rule"):
             force.__exit__(None, None, None)
 
 
+def profile_reference(f, shape, dtype, op, top=15):
+    """kg_reference's forward+backward under torch.profiler: kernels launched, device time, and the
+    ATen ops that spent most of it (self device time, calls)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    B, T, H, K = shape
+    leaves = layer_inputs(op, B, T, H, K, "cuda", dtype=dtype, param_dtype=dtype)
+    dy = torch.randn(B, T, H, K, device="cuda", dtype=dtype)
+    call = lambda: torch.autograd.grad(f(*leaves, K ** -0.5), leaves, dy)  # noqa: E731
+    with kg.use(force={op: "reference"}):
+        for _ in range(3):
+            call()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            call()
+            torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    ops = sorted((e for e in prof.key_averages() if e.self_device_time_total > 0 and e.key.startswith("aten::")),
+                 key=lambda e: -e.self_device_time_total)
+    return {"variant": "kg_reference", "shape": list(shape), "kernels": len(kernels),
+            "device_ms": sum(e.device_time for e in kernels) / 1e3,
+            "top_ops": [{"op": e.key, "calls": e.count, "self_device_ms": round(e.self_device_time_total / 1e3, 3)}
+                        for e in ops[:top]]}
+
+
 def with_ratios(records):
     """Each record's times as multiples of the eager variant's at the same shape."""
     for r in records:
@@ -170,6 +199,7 @@ def main() -> int:
     ap.add_argument("--shapes", default="4,2048,16,128;4,4096,16,128", help="B,T,H,K;... (dv = dk)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", action="store_true", help="kg_reference's device time by ATen op (first shape)")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     env = environment("python " + " ".join(sys.argv))
@@ -186,6 +216,14 @@ def main() -> int:
             with_ratios(records)
             if args.out:  # after every record: a run cut short keeps what it measured
                 write_json(args.out, {**env, "op": args.op, "notes": notes, "records": records})
+    profile_rec = None
+    if args.profile:
+        first = tuple(int(x) for x in args.shapes.split(";")[0].split(","))
+        profile_rec = profile_reference(fns["kg_reference"], first, dtype, args.op)
+        print({k: v for k, v in profile_rec.items() if k != "top_ops"})
+        print_table(profile_rec["top_ops"], ["op", "calls", "self_device_ms"])
+        if args.out:
+            write_json(args.out, {**env, "op": args.op, "notes": notes, "records": records, "profile": profile_rec})
     print("; ".join(notes))
     print_table(records, ["variant", "shape", "fwd_ms", "x_eager_fwd", "fwdbwd_ms", "x_eager_fwdbwd",
                           "fwdbwd_peak_extra_mib", "fwdbwd_refused"])
