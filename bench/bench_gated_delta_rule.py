@@ -159,22 +159,23 @@ def measure(name, f, shape, dtype, op="gated_delta_rule"):
             force.__exit__(None, None, None)
 
 
-def profile_reference(f, shape, dtype, op, top=15):
+def profile_reference(f, shape, dtype, op, top=15, device="cuda"):
     """kg_reference's forward+backward under torch.profiler: kernels launched, device time, and the
     ATen ops that spent most of it (self device time, calls)."""
     from torch.profiler import ProfilerActivity, profile
 
     B, T, H, K = shape
-    leaves = layer_inputs(op, B, T, H, K, "cuda", dtype=dtype, param_dtype=dtype)
-    dy = torch.randn(B, T, H, K, device="cuda", dtype=dtype)
+    leaves = layer_inputs(op, B, T, H, K, device, dtype=dtype, param_dtype=dtype)
+    dy = torch.randn(B, T, H, K, device=device, dtype=dtype)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     call = lambda: torch.autograd.grad(f(*leaves, K ** -0.5), leaves, dy)  # noqa: E731
     with kg.use(force={op: "reference"}):
         for _ in range(3):
             call()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        sync()
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])) as prof:
             call()
-            torch.cuda.synchronize()
+            sync()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     ops = sorted((e for e in prof.key_averages() if e.self_device_time_total > 0 and e.key.startswith("aten::")),
                  key=lambda e: -e.self_device_time_total)

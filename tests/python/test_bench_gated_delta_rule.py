@@ -59,3 +59,15 @@ def test_the_plain_kda_stays_finite_under_strong_decays():
     o = chunked_kda(*leaves, dk ** -0.5)
     grads = torch.autograd.grad(o.square().sum(), leaves)
     assert torch.isfinite(o).all() and all(torch.isfinite(x).all() for x in grads)
+
+
+@pytest.mark.parametrize("op", ["gated_delta_rule", "kda"])
+def test_the_profile_option_records_the_references_aten_ops(op):
+    """--profile's record on the CPU: the reference's forward+backward ran under the profiler (no
+    device there, so no kernels and no device time), at the shape asked for."""
+    from bench_gated_delta_rule import profile_reference, variants
+
+    fns, _ = variants(op)
+    rec = profile_reference(fns["kg_reference"], (1, 70, 2, 8), torch.float32, op, device="cpu")
+    assert rec["variant"] == "kg_reference" and rec["shape"] == [1, 70, 2, 8]
+    assert rec["kernels"] == 0 and rec["device_ms"] == 0 and rec["top_ops"] == []
