@@ -274,6 +274,11 @@ class OpDeclaration {
   // without autograd, its backward differentiates the reference again. For ops without extras
   // that save every tensor argument (ops defined from Python).
   OpDeclaration& reference_backend();
+  // Where the reference serves a call that needs gradients (outside torch.compile's tracing), it
+  // runs under PyTorch's autograd as plain code does: its graph is kept from the forward to the
+  // backward, which then runs no second forward. For an op whose reference is its fast fallback
+  // and keeps less than the plain code it replaces (gated_delta_rule, kda).
+  OpDeclaration& record_reference();
   // A backend this build or device cannot have: listed with its reason, never chosen.
   OpDeclaration& unavailable(std::string name, BackendKind kind, const char* reason);
   OpDeclaration& backend_desc(BackendDesc desc);

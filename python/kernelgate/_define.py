@@ -273,7 +273,7 @@ def define_op(schema: str, *, dims: str, reference: Callable,
               index_ranges: Optional[Dict[str, str]] = None,
               dim_multiples: Optional[Dict[str, int]] = None,
               no_grad: Sequence[str] = (), outputs: Sequence[str] = (),
-              eager: Optional[Callable] = None) -> Callable:
+              eager: Optional[Callable] = None, record_reference: bool = False) -> Callable:
     """Defines a routed op from Python and returns it (also reachable as ``kg.<name>`` and
     ``torch.ops.kernelgate.<name>``).
 
@@ -293,6 +293,12 @@ def define_op(schema: str, *, dims: str, reference: Callable,
     the op's arguments, differentiated by PyTorch's autograd): the op's ``eager`` backend, which
     serves where no evidence ranks a backend (docs/evidence.md) and is swept like every backend.
     Without it the reference serves there.
+
+    record_reference: where the reference serves a call needing gradients (not under
+    torch.compile's tracing), it runs under PyTorch's autograd as plain code does, its graph kept
+    from the forward to the backward; otherwise (the default) the forward keeps only the inputs
+    and the backward runs the reference again. For a reference that is the op's fast fallback and
+    keeps less than the plain code it replaces.
     """
     if not callable(reference):
         raise TypeError(f"reference must be callable, got {type(reference).__name__}")
@@ -302,11 +308,12 @@ def define_op(schema: str, *, dims: str, reference: Callable,
     # The code that computes: the reference and the eager code where given, with the functions
     # of their modules they call.
     code = _closure_hash(reference, eager)
-    given = (schema, dims, code)
+    given = (schema, dims, code, bool(record_reference))
     if name in _defined:
         if _defined[name] == given:
             return routed(name)
-        raise ValueError(f"op '{name}' is already defined with another schema, dims, reference or eager code")
+        raise ValueError(f"op '{name}' is already defined with another schema, dims, reference, eager code "
+                         "or record_reference")
     if name in {o["name"] for o in _C.ops()}:
         raise ValueError(f"op '{name}' is already defined by kernelgate")
     spec = {
@@ -323,10 +330,12 @@ def define_op(schema: str, *, dims: str, reference: Callable,
         "no_grad": list(no_grad),
         "outputs": list(outputs),
         "eager": eager,
+        "record_reference": bool(record_reference),
     }
     # Evidence of the op goes stale when its reference or its declaration (what its cases are
     # made from) changes.
-    declared = repr({k: v for k, v in spec.items() if k not in ("reference", "eager")}).encode()
+    # (How the reference's gradient is taken is not what it computes: record_reference is not part of it.)
+    declared = repr({k: v for k, v in spec.items() if k not in ("reference", "eager", "record_reference")}).encode()
     spec["source_hash"] = hashlib.sha256(code.encode() + declared).hexdigest()[:16]
     _C.define_op(spec)
     _defined[name] = given

@@ -107,4 +107,7 @@ gated_delta_rule = define_op(
                        {"batch": 8, "seq": 2048, "heads": 16, "dk": 128, "dv": 256},
                        {"batch": 1, "seq": 8192, "heads": 32, "dk": 128, "dv": 128}],
     outputs=("o", "final_state"),
+    # The reference is the fast fallback (the plain chunked layer is several times slower) and keeps
+    # less than the plain layer: trained through, its graph is kept, not its forward run twice.
+    record_reference=True,
 )

@@ -33,6 +33,7 @@ namespace kernelgate {
 struct OpDeclaration::State {
   OpContract contract;
   bool reference_backend = false;
+  bool record_reference = false;
   std::function<void(torch::jit::Stack&)> reference, eager;
   BoxedArgsFn meta, check;
   std::vector<BackendDesc> backends;
@@ -89,6 +90,7 @@ struct RoutedOp {
   std::vector<std::pair<int, int>> variant_pos;  // (schema position, bwd offset) per variant arg
   bool optional_grads = false;
   bool reference_recompute = false;  // every tensor argument is saved
+  bool reference_recorded = false;   // OpDeclaration::record_reference
 
   BoxedArgsFn meta, check;
   // The op as plain PyTorch code (OpDeclaration::eager) and its backend's local index, or -1.
@@ -456,10 +458,11 @@ GradRequest grad_request(const RoutedOp& op, const IValue* args) {
 // kernelgate); under torch.compile's tracing with concrete shapes, traced into the graph,
 // where the compiler fuses it as it would the user's own code. With symbolic shapes the
 // region is unknown: the op stays one node and routes when the graph runs. (An op without an
-// eager backend, and a real call needing no gradient, go on to the router.) Runs it on s and
-// returns true where it serves.
+// eager backend, and a real call needing no gradient, go on to the router.) The reference of an
+// op that records it (OpDeclaration::record_reference) serves a real call needing gradients the
+// same way, recorded. Runs it on s and returns true where it serves.
 bool serve_eager(const RoutedOp& op, Stack& s, GradRequest need) {
-  if (op.eager_index < 0) return false;
+  if (op.eager_index < 0 && !op.reference_recorded) return false;
   const IValue* args = s.data() + (s.size() - op.nargs);
   const auto tensors = inputs_of(op, args);
   auto any = [&](auto&& pred) {
@@ -474,10 +477,19 @@ bool serve_eager(const RoutedOp& op, Stack& s, GradRequest need) {
   }
   const CallView call = op.view_forward(args, need.any());
   const BoundDims dims = check_call(op.contract(), call);
-  if (Dispatcher::get().select(op.id, call, dims) != op.eager_index) return false;
+  const int pick = Dispatcher::get().select(op.id, call, dims);
+  const bool recorded = op.reference_recorded && pick == 0 && need.any() && !traced;
+  if (pick != op.eager_index && !recorded) return false;
   if (op.check) op.check(s, need);
   const auto args_held = op.held(call);
-  op.eager(s);
+  if (recorded) {
+    op.ref->callBoxed(s);
+    for (size_t i = s.size() - op.n_out; !op.keeps_layout && i < s.size(); ++i) {
+      s[i] = s[i].toTensor().contiguous();  // dense, as every backend's (a recorded copy)
+    }
+  } else {
+    op.eager(s);
+  }
   // Its outputs in the layout every backend gives them (under autograd, a recorded copy where
   // PyTorch's code gave another); its gradients are PyTorch's.
   op.keep_output_layouts(s, args_held, 0);
@@ -808,6 +820,11 @@ OpDeclaration& OpDeclaration::reference_backend() {
   return *this;
 }
 
+OpDeclaration& OpDeclaration::record_reference() {
+  state_->record_reference = true;
+  return *this;
+}
+
 OpDeclaration& OpDeclaration::unavailable(std::string name, BackendKind kind, const char* reason) {
   BackendDesc d;
   d.name = std::move(name);
@@ -1069,6 +1086,7 @@ OpId OpDeclaration::install() {
   op->entry = &d.op(op->id);
   for (auto& b : st.backends) d.add_backend(op->id, std::move(b));
   if (op->eager) op->eager_index = static_cast<int>(op->entry->backends.size()) - 1;
+  op->reference_recorded = st.record_reference;
 
   // PyTorch: definitions, then impls. The library lives as long as the process.
   auto* lib =

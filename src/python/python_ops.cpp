@@ -649,6 +649,7 @@ OpId define_python_op(const py::dict& spec) {
   d.reference_boxed([run_reference](torch::jit::Stack& s) { run_reference(s, false); })
       .meta_boxed([run_reference](torch::jit::Stack& s, GradRequest) { run_reference(s, true); })
       .reference_backend();
+  if (spec.contains("record_reference") && spec["record_reference"].cast<bool>()) d.record_reference();
   // The op as the plain PyTorch code a user would write: the fallback where no evidence ranks a
   // backend, differentiated by PyTorch's autograd (OpDeclaration::eager).
   if (!eager.is_none()) {

@@ -1073,7 +1073,7 @@ def test_an_op_defined_from_python_takes_its_plain_code_as_its_eager_backend():
     info = next(o for o in kg.ops() if o["name"] == "py_plain_tanh")
     assert [(b["name"], b["kind"]) for b in info["backends"]] == [("reference", "reference"), ("eager", "eager")]
     assert kg.define_op(schema, dims=dims, reference=reference, eager=plain) is not None  # the same: no-op
-    with pytest.raises(ValueError, match="already defined with another schema, dims, reference or eager code"):
+    with pytest.raises(ValueError, match="already defined with another schema, dims, reference, eager code"):
         kg.define_op(schema, dims=dims, reference=reference, eager=lambda x, alpha: torch.tanh(alpha * x))
     x = torch.randn(4, 8, requires_grad=True)
     e = kg.explain("py_plain_tanh", x, 0.5)
@@ -1081,3 +1081,56 @@ def test_an_op_defined_from_python_takes_its_plain_code_as_its_eager_backend():
     y = op(x, 0.5)
     assert type(y.grad_fn).__name__ == "TanhBackward0"  # PyTorch's autograd recorded the plain code
     torch.testing.assert_close(y, torch.tanh(x * 0.5))
+
+
+def test_an_op_that_records_its_reference_trains_through_its_graph_without_a_second_forward():
+    """kg.define_op(record_reference=True): where the reference serves a call needing gradients,
+    PyTorch's autograd records it (its graph, not a kernelgate node, and the backward runs no second
+    forward); the gradients are those of the default, which recomputes. A call needing no gradient,
+    and a call another backend serves, go through the router as before. gated_delta_rule and kda
+    record theirs."""
+    calls = []
+
+    def reference(x, w):
+        calls.append(1)
+        acc = torch.promote_types(x.dtype, torch.float32)
+        return (torch.sin(x.to(acc)) * w.to(acc)).to(x.dtype)
+
+    dims = "x: [*rows, hidden]; w: [hidden]"
+    recorded = kg.define_op("py_recorded_sin(Tensor x, Tensor w) -> Tensor", dims=dims, reference=reference,
+                            record_reference=True)
+    default = kg.define_op("py_recomputed_sin(Tensor x, Tensor w) -> Tensor", dims=dims, reference=reference)
+    with pytest.raises(ValueError, match="or record_reference"):
+        kg.define_op("py_recorded_sin(Tensor x, Tensor w) -> Tensor", dims=dims, reference=reference)
+    x, w = torch.randn(5, 7, requires_grad=True), torch.randn(7, requires_grad=True)
+    dy = torch.randn(5, 7)
+    got = {}
+    for name, op in (("recorded", recorded), ("default", default)):
+        calls.clear()
+        y = op(x, w)
+        grads = torch.autograd.grad(y, (x, w), dy)
+        got[name] = (y, grads, len(calls), type(y.grad_fn).__name__)
+    assert got["recorded"][2] == 1 and got["default"][2] == 2  # forward, and forward again in the backward
+    assert got["recorded"][3] == "MulBackward0"  # the reference's last op, recorded
+    assert got["default"][3] != "MulBackward0"
+    for a, b in zip((got["recorded"][0],) + got["recorded"][1], (got["default"][0],) + got["default"][1]):
+        assert torch.equal(a, b)
+    assert kg.explain("py_recorded_sin", x, w).backend == "reference"
+    with torch.no_grad():
+        calls.clear()
+        assert recorded(x, w).grad_fn is None and len(calls) == 1
+    # second derivatives through the recorded graph: those of the default's double backward
+    r = torch.randn(5, 7)
+    second = []
+    for op in (recorded, default):
+        (gx,) = torch.autograd.grad(op(x, w), x, dy, create_graph=True)
+        second.append(torch.autograd.grad((gx * r).sum(), (x, w)))
+    for a, b in zip(*second):
+        torch.testing.assert_close(a, b)
+    # the linear-attention ops record theirs: a call trained through keeps the reference's graph
+    B, T, H, K = 1, 20, 2, 8
+    q, k, v = (torch.randn(B, T, H, K, requires_grad=True) for _ in range(3))
+    g, beta, A_log = torch.randn(B, T, H), torch.randn(B, T, H), torch.randn(H)
+    assert type(default(x, w).grad_fn).__name__ == "CppFunction"  # kernelgate's node
+    for o in (kg.gated_delta_rule(q, k, v, g, beta, A_log)[0], kg.kda(q, k, v, torch.randn(B, T, H, K), beta, A_log)[0]):
+        assert type(o.grad_fn).__name__ in ("CloneBackward0", "SliceBackward0")  # the reference's last step
