@@ -32,8 +32,9 @@ def _t(x):
 
 class _ChunkPass(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, decay, kend_t, w, u0, qd, p, s0):
+    def forward(ctx, decay, kend_t, uw, qd, p, s0):
         ctx.set_materialize_grads(False)
+        u0, w = _split(uw, kend_t)
         n = u0.shape[0]
         states = torch.empty((n + 1,) + tuple(s0.shape), dtype=u0.dtype, device=u0.device)
         states[0] = s0
@@ -45,12 +46,13 @@ class _ChunkPass(torch.autograd.Function):
             sb[i + 1].baddbmm_(kb[i], ub[i])
         o = torch.matmul(qd, states[:n])
         o += torch.matmul(p, u)
-        ctx.save_for_backward(decay, kend_t, w, u0, qd, p, states)
+        ctx.save_for_backward(decay, kend_t, uw, qd, p, states)
         return o, states[n].clone(), states
 
     @staticmethod
     def backward(ctx, d_o, d_final, d_states):
-        decay, kend_t, w, u0, qd, p, states = ctx.saved_tensors
+        decay, kend_t, uw, qd, p, states = ctx.saved_tensors
+        u0, w = _split(uw, kend_t)
         n = states.shape[0] - 1
         s = states[:n]
         u = u0 - w @ s  # recomputed: one tensor of the outputs' size while the backward runs
@@ -93,17 +95,26 @@ class _ChunkPass(torch.autograd.Function):
         # d decay_i = sum over dv (and over dk for one decay per chunk) of g_{i+1} * S_i
         d_decay = torch.einsum("...kv,...kv->...k", g_next, s)[..., None].sum_to_size(decay.shape)
         d_kend_t = g_next @ _t(u)
-        d_w = (du @ _t(s)).neg_()
+        # U0's and W's gradients as one tensor, as [U0 | W] came: no zero-filled tensor of its size
+        # per slice for autograd to add up
+        d_uw = torch.cat([du, (du @ _t(s)).neg_()], -1)
         d_qd = d_o @ _t(s)
         d_p = d_o @ _t(u)
-        return d_decay, d_kend_t, d_w, du, d_qd, d_p, g[0]
+        return d_decay, d_kend_t, d_uw, d_qd, d_p, g[0]
 
 
-def chunk_pass(decay, kend_t, w, u0, qd, p, s0):
+def _split(uw, kend_t):
+    """[U0 | W] -> U0, W (views): W has dk columns, kend_t's rows."""
+    dv = uw.shape[-1] - kend_t.shape[-2]
+    return uw[..., :dv], uw[..., dv:]
+
+
+def chunk_pass(decay, kend_t, uw, qd, p, s0):
     """Every chunk's output O_n = Qd_n S_n + P_n (U0_n - W_n S_n), [N, ..., C, dv], the final state,
     [..., dk, dv], and the states entering every chunk and the final one, [N + 1, ..., dk, dv] (kept
     for the backward; the final state is a copy of its last), for decay [N, ..., dk or 1, 1], kend_t
-    [N, ..., dk, C], w and qd [N, ..., C, dk], u0 [N, ..., C, dv], p [N, ..., C, C], s0 [..., dk, dv]."""
-    # kend_t, w and u0 as given (a transposed or sliced view is read in place: a contiguous copy
-    # would be one more saved tensor of the chunks' size)
-    return _ChunkPass.apply(decay, kend_t, w, u0, qd, p, s0.contiguous())
+    [N, ..., dk, C], uw = [U0 | W] [N, ..., C, dv + dk] (the triangular solve's one result), qd
+    [N, ..., C, dk], p [N, ..., C, C], s0 [..., dk, dv]."""
+    # kend_t and uw as given (a transposed view is read in place: a contiguous copy would be one
+    # more saved tensor of the chunks' size)
+    return _ChunkPass.apply(decay, kend_t, uw, qd, p, s0.contiguous())

@@ -83,7 +83,6 @@ def gated_delta_rule_reference(q, k, v, g, beta, A_log, dt_bias, initial_state, 
     # Every chunk's WY factors at once (they need no state): U = U0 - W S_0.
     UW = torch.linalg.solve_triangular(A, torch.cat([b[..., None] * Vc, (b[..., None] * eG) * Kc], -1),
                                        upper=False, unitriangular=True)
-    U0, W = UW[..., :V], UW[..., V:]
     Kend_t = (Kc * torch.exp(G[..., -1:] - G)[..., None]).transpose(-1, -2)  # keys decayed to the chunk's end
     eGC = torch.exp(G[..., -1])[..., None, None]  # [N, B, H, 1, 1]
     qk = (Q @ Kc.transpose(-1, -2)) * D
@@ -91,7 +90,7 @@ def gated_delta_rule_reference(q, k, v, g, beta, A_log, dt_bias, initial_state, 
           else initial_state.to(acc))
     # The pass over the chunks: o = s (diag(exp G) Q S + qk U) with U = U0 - W S, S the state
     # entering the chunk
-    o, final, _ = chunk_pass(eGC, Kend_t, W, U0, eG * Q, qk, S0)  # o: [N, B, H, C, V]
+    o, final, _ = chunk_pass(eGC, Kend_t, UW, eG * Q, qk, S0)  # o: [N, B, H, C, V]
     o = (s * o).permute(1, 0, 3, 2, 4).reshape(B, N * C, H, V)[:, :T]
     return o.to(v.dtype), final
 

@@ -147,13 +147,12 @@ def kda_reference(q, k, v, g, beta, A_log, dt_bias, initial_state, scale):
     # Every chunk's WY factors at once (they need no state): U = U0 - W S_0.
     UW = torch.linalg.solve_triangular(A, torch.cat([b[..., None] * Vc, b[..., None] * (Kc * eG)], -1),
                                        upper=False, unitriangular=True)
-    U0, W = UW[..., :V], UW[..., V:]
     Kend_t = (Kc * torch.exp(G[..., -1:, :] - G)).transpose(-1, -2)  # keys decayed to the chunk's end, per channel
     eGC = torch.exp(G[..., -1, :])[..., None]  # [N, B, H, K, 1]
     S0 = (torch.zeros(B, H, K, V, dtype=acc, device=q.device) if initial_state is None
           else initial_state.to(acc))
     # The pass over the chunks (a state decay per row): o = s (diag(exp G) Q S + P U)
-    o, final, _ = chunk_pass(eGC, Kend_t, W, U0, Q * eG, P, S0)  # o: [N, B, H, C, V]
+    o, final, _ = chunk_pass(eGC, Kend_t, UW, Q * eG, P, S0)  # o: [N, B, H, C, V]
     o = (s * o).permute(1, 0, 3, 2, 4).reshape(B, N * C, H, V)[:, :T]
     return o.to(v.dtype), final
 

@@ -218,12 +218,12 @@ def test_gpu_fla_chunk_backward(shape):
 @pytest.mark.parametrize("views", [False, True], ids=["contiguous", "views"])
 @pytest.mark.parametrize("per_row_decay", [False, True], ids=["gdr_decay", "kda_decay"])
 def test_the_chunk_pass_gradients_match_finite_differences(per_row_decay, views):
-    """kernelgate._state_scan's hand-written backward (every input: decay, Kend^T, W, U0, Qd, P,
-    S_0; every output: the chunks' outputs, the final state, the states) against
+    """kernelgate._state_scan's hand-written backward (every input: decay, Kend^T, [U0 | W], Qd,
+    P, S_0; every output: the chunks' outputs, the final state, the states) against
     torch.autograd.gradcheck in float64, and its second derivatives (the backward differentiated by
     autograd) against gradgradcheck, for a decay per state row (kda) and one per chunk
-    (gated_delta_rule), with several chunks and a batch; Kend^T, W and U0 also as the views the
-    references pass (a transpose, slices of the last dim), which it reads in place."""
+    (gated_delta_rule), with several chunks and a batch; Kend^T and [U0 | W] also as views (a
+    transpose as the references pass it, a slice of the last dim), which it reads in place."""
     from kernelgate._state_scan import chunk_pass
 
     torch.manual_seed(0)
@@ -232,17 +232,15 @@ def test_the_chunk_pass_gradients_match_finite_differences(per_row_decay, views)
     decay = torch.rand(N, B, dk if per_row_decay else 1, 1, **f64).requires_grad_()
     if views:
         kend_t = (0.3 * torch.randn(N, B, C, dk, **f64)).transpose(-1, -2).detach().requires_grad_()
-        uw = 0.3 * torch.randn(N, B, C, dv + dk, **f64)
-        u0, w = uw[..., :dv].detach().requires_grad_(), uw[..., dv:].detach().requires_grad_()
-        assert not kend_t.is_contiguous() and not w.is_contiguous() and not u0.is_contiguous()
+        uw = (0.3 * torch.randn(N, B, C, dv + dk + 2, **f64))[..., 1:dv + dk + 1].detach().requires_grad_()
+        assert not kend_t.is_contiguous() and not uw.is_contiguous()
     else:
         kend_t = (0.3 * torch.randn(N, B, dk, C, **f64)).requires_grad_()
-        w = (0.3 * torch.randn(N, B, C, dk, **f64)).requires_grad_()
-        u0 = torch.randn(N, B, C, dv, **f64).requires_grad_()
+        uw = (0.3 * torch.randn(N, B, C, dv + dk, **f64)).requires_grad_()
     qd = torch.randn(N, B, C, dk, **f64).requires_grad_()
     p = torch.randn(N, B, C, C, **f64).tril().requires_grad_()
     s0 = torch.randn(B, dk, dv, **f64).requires_grad_()
-    inputs = (decay, kend_t, w, u0, qd, p, s0)
+    inputs = (decay, kend_t, uw, qd, p, s0)
     assert torch.autograd.gradcheck(chunk_pass, inputs)
     assert torch.autograd.gradgradcheck(chunk_pass, inputs)
     # its two ways to the first-order gradients (in place, or out of place under create_graph)
@@ -255,6 +253,7 @@ def test_the_chunk_pass_gradients_match_finite_differences(per_row_decay, views)
         for a, b in zip(plain, graphed, strict=True):
             torch.testing.assert_close(a, b.detach(), rtol=1e-13, atol=1e-13)
     o, final, states = chunk_pass(*inputs)
+    u0, w = uw[..., :dv], uw[..., dv:]
     s = s0
     for n in range(N):  # the recurrence itself, step by step
         u = u0[n] - w[n] @ s
