@@ -26,6 +26,11 @@ def _rows(x):
     return x.flatten(1, -3)
 
 
+def _flat(x):
+    """[N, ..., a, b] -> [N * batch, a, b] (a view where the leading dims allow it)."""
+    return x.flatten(0, -3)
+
+
 def _t(x):
     return x.transpose(-1, -2)
 
@@ -44,8 +49,7 @@ class _ChunkPass(torch.autograd.Function):
             torch.baddbmm(u0b[i], wb[i], sb[i], alpha=-1.0, out=ub[i])
             torch.mul(eb[i], sb[i], out=sb[i + 1])
             sb[i + 1].baddbmm_(kb[i], ub[i])
-        o = torch.matmul(qd, states[:n])
-        o += torch.matmul(p, u)
+        o = torch.bmm(_flat(qd), _flat(states[:n])).baddbmm_(_flat(p), _flat(u)).view(u.shape)
         ctx.save_for_backward(decay, kend_t, uw, qd, p, states)
         return o, states[n].clone(), states
 
@@ -55,7 +59,8 @@ class _ChunkPass(torch.autograd.Function):
         u0, w = _split(uw, kend_t)
         n = states.shape[0] - 1
         s = states[:n]
-        u = u0 - w @ s  # recomputed: one tensor of the outputs' size while the backward runs
+        # recomputed: one tensor of the outputs' size while the backward runs
+        u = torch.baddbmm(_flat(u0), _flat(w), _flat(s), alpha=-1.0).view(u0.shape)
         if d_o is None:
             d_o = torch.zeros_like(u)
         d_o = d_o.contiguous()
