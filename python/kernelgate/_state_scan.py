@@ -80,32 +80,54 @@ class _ChunkPass(torch.autograd.Function):
             gs, dus = [d_last], []
             for i in range(n - 1, -1, -1):
                 dus.append(torch.baddbmm(pb[i], _t(kb[i]), gs[-1]))
-                g = torch.baddbmm(torch.baddbmm(eb[i] * gs[-1], _t(qb[i]), db[i]), _t(wb[i]), dus[-1], alpha=-1.0)
-                gs.append(g if dsb is None else g + dsb[i])
-            g = torch.stack(gs[::-1]).view(states.shape)
-            du = torch.stack(dus[::-1]).view(u.shape)
-        else:  # into two buffers, in place
-            du = _t(p) @ d_o
-            g = torch.empty_like(states)
-            gb, dub = _rows(g), _rows(du)
-            gb[n] = d_last
-            for i in range(n - 1, -1, -1):
-                dub[i].baddbmm_(_t(kb[i]), gb[i + 1])
-                torch.mul(eb[i], gb[i + 1], out=gb[i])
-                gb[i].baddbmm_(_t(qb[i]), db[i])
-                gb[i].baddbmm_(_t(wb[i]), dub[i], alpha=-1.0)
-                if dsb is not None:
-                    gb[i] += dsb[i]
-        g_next = g[1:]
-        # d decay_i = sum over dv (and over dk for one decay per chunk) of g_{i+1} * S_i
-        d_decay = torch.einsum("...kv,...kv->...k", g_next, s)[..., None].sum_to_size(decay.shape)
-        d_kend_t = g_next @ _t(u)
-        # U0's and W's gradients as one tensor, as [U0 | W] came: no zero-filled tensor of its size
-        # per slice for autograd to add up
-        d_uw = torch.cat([du, (du @ _t(s)).neg_()], -1)
-        d_qd = d_o @ _t(s)
-        d_p = d_o @ _t(u)
-        return d_decay, d_kend_t, d_uw, d_qd, d_p, g[0]
+                gi = torch.baddbmm(torch.baddbmm(eb[i] * gs[-1], _t(qb[i]), db[i]), _t(wb[i]), dus[-1], alpha=-1.0)
+                gs.append(gi if dsb is None else gi + dsb[i])
+            bufs = {"g": torch.stack(gs[::-1]).view(states.shape), "du": torch.stack(dus[::-1]).view(u.shape), "u": u}
+            del gs, dus, u
+            return _grads_from(decay, kend_t, s, d_o, bufs, None)
+        # into two buffers, in place: g, and U_i's gradients inside [U0 | W]'s (no second tensor of
+        # [U0 | W]'s size to put them together)
+        d_uw = torch.empty(uw.shape, dtype=uw.dtype, device=uw.device)
+        du, d_w = _split(d_uw, kend_t)
+        du.copy_(_t(p) @ d_o)
+        g = torch.empty_like(states)
+        gb, dub = _rows(g), _rows(du)
+        gb[n] = d_last
+        for i in range(n - 1, -1, -1):
+            dub[i].baddbmm_(_t(kb[i]), gb[i + 1])
+            torch.mul(eb[i], gb[i + 1], out=gb[i])
+            gb[i].baddbmm_(_t(qb[i]), db[i])
+            gb[i].baddbmm_(_t(wb[i]), dub[i], alpha=-1.0)
+            if dsb is not None:
+                gb[i] += dsb[i]
+        bufs = {"g": g, "du": du, "u": u}
+        del g, gb, du, dub, d_w, u
+        return _grads_from(decay, kend_t, s, d_o, bufs, d_uw)
+
+
+def _grads_from(decay, kend_t, s, d_o, bufs, d_uw):
+    """The inputs' gradients from bufs, the only holder of the states' gradients (g), the
+    corrected values' (du) and the corrected values (u), each dropped once read (the states'
+    gradients first: the largest). d_uw: [U0 | W]'s gradient with du in place, or None (out of
+    place: made here)."""
+    g, u = bufs.pop("g"), bufs.pop("u")
+    g_next = g[1:]
+    # d decay_i = sum over dv (and over dk for one decay per chunk) of g_{i+1} * S_i
+    d_decay = torch.einsum("...kv,...kv->...k", g_next, s)[..., None].sum_to_size(decay.shape)
+    d_kend_t = g_next @ _t(u)
+    d_s0 = g[0].clone()
+    del g, g_next
+    d_p = d_o @ _t(u)
+    del u
+    du = bufs.pop("du")
+    d_w = (du @ _t(s)).neg_()
+    if d_uw is None:  # U0's and W's gradients as one tensor, as [U0 | W] came
+        d_uw = torch.cat([du, d_w], -1)
+    else:
+        _split(d_uw, kend_t)[1].copy_(d_w)
+    del d_w
+    d_qd = d_o @ _t(s)
+    return d_decay, d_kend_t, d_uw, d_qd, d_p, d_s0
 
 
 def _split(uw, kend_t):
