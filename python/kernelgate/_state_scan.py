@@ -37,7 +37,7 @@ def _t(x):
 
 class _ChunkPass(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, decay, kend_t, uw, qd, p, s0):
+    def forward(ctx, decay, kend_t, uw, qd, p, s0, qscale):
         ctx.set_materialize_grads(False)
         u0, w = _split(uw, kend_t)
         n = u0.shape[0]
@@ -49,13 +49,16 @@ class _ChunkPass(torch.autograd.Function):
             torch.baddbmm(u0b[i], wb[i], sb[i], alpha=-1.0, out=ub[i])
             torch.mul(eb[i], sb[i], out=sb[i + 1])
             sb[i + 1].baddbmm_(kb[i], ub[i])
-        o = torch.bmm(_flat(qd), _flat(states[:n])).baddbmm_(_flat(p), _flat(u)).view(u.shape)
-        ctx.save_for_backward(decay, kend_t, uw, qd, p, states)
+        o = torch.bmm(_flat(qd), _flat(states[:n]))
+        if qscale is not None:
+            o.mul_(_flat(qscale))
+        o = o.baddbmm_(_flat(p), _flat(u)).view(u.shape)
+        ctx.save_for_backward(decay, kend_t, uw, qd, p, states, qscale)
         return o, states[n].clone(), states
 
     @staticmethod
     def backward(ctx, d_o, d_final, d_states):
-        decay, kend_t, uw, qd, p, states = ctx.saved_tensors
+        decay, kend_t, uw, qd, p, states, qscale = ctx.saved_tensors
         u0, w = _split(uw, kend_t)
         n = states.shape[0] - 1
         s = states[:n]
@@ -73,6 +76,7 @@ class _ChunkPass(torch.autograd.Function):
         #   du_i = P_i^T dO_i + Kend_i g_{i+1}
         #   g_i  = decay_i g_{i+1} + Qd_i^T dO_i - W_i^T du_i (+ d_states_i)
         eb, kb, wb, qb, db = (_rows(x) for x in (decay, kend_t, w, qd, d_o))
+        qsb = None if qscale is None else _rows(qscale)
         if torch.is_grad_enabled():
             # create_graph: out of place, so that autograd differentiates this backward (the
             # states through this Function again, as one of its outputs)
@@ -80,11 +84,12 @@ class _ChunkPass(torch.autograd.Function):
             gs, dus = [d_last], []
             for i in range(n - 1, -1, -1):
                 dus.append(torch.baddbmm(pb[i], _t(kb[i]), gs[-1]))
-                gi = torch.baddbmm(torch.baddbmm(eb[i] * gs[-1], _t(qb[i]), db[i]), _t(wb[i]), dus[-1], alpha=-1.0)
+                do_i = db[i] if qsb is None else qsb[i] * db[i]
+                gi = torch.baddbmm(torch.baddbmm(eb[i] * gs[-1], _t(qb[i]), do_i), _t(wb[i]), dus[-1], alpha=-1.0)
                 gs.append(gi if dsb is None else gi + dsb[i])
             bufs = {"g": torch.stack(gs[::-1]).view(states.shape), "du": torch.stack(dus[::-1]).view(u.shape), "u": u}
             del gs, dus, u
-            return _grads_from(decay, kend_t, s, d_o, bufs, None)
+            return _grads_from(decay, kend_t, s, d_o, bufs, None, qd, qscale)
         # into two buffers, in place: g, and U_i's gradients inside [U0 | W]'s (no second tensor of
         # [U0 | W]'s size to put them together)
         d_uw = torch.empty(uw.shape, dtype=uw.dtype, device=uw.device)
@@ -93,23 +98,24 @@ class _ChunkPass(torch.autograd.Function):
         g = torch.empty_like(states)
         gb, dub = _rows(g), _rows(du)
         gb[n] = d_last
+        do_i = None if qsb is None else torch.empty_like(db[0])  # one chunk's dO with the query scale
         for i in range(n - 1, -1, -1):
             dub[i].baddbmm_(_t(kb[i]), gb[i + 1])
             torch.mul(eb[i], gb[i + 1], out=gb[i])
-            gb[i].baddbmm_(_t(qb[i]), db[i])
+            gb[i].baddbmm_(_t(qb[i]), db[i] if qsb is None else torch.mul(qsb[i], db[i], out=do_i))
             gb[i].baddbmm_(_t(wb[i]), dub[i], alpha=-1.0)
             if dsb is not None:
                 gb[i] += dsb[i]
         bufs = {"g": g, "du": du, "u": u}
         del g, gb, du, dub, d_w, u
-        return _grads_from(decay, kend_t, s, d_o, bufs, d_uw)
+        return _grads_from(decay, kend_t, s, d_o, bufs, d_uw, qd, qscale)
 
 
-def _grads_from(decay, kend_t, s, d_o, bufs, d_uw):
+def _grads_from(decay, kend_t, s, d_o, bufs, d_uw, qd, qscale):
     """The inputs' gradients from bufs, the only holder of the states' gradients (g), the
     corrected values' (du) and the corrected values (u), each dropped once read (the states'
     gradients first: the largest). d_uw: [U0 | W]'s gradient with du in place, or None (out of
-    place: made here)."""
+    place: made here). qd and qscale: the queries and their row scale (or None)."""
     g, u = bufs.pop("g"), bufs.pop("u")
     g_next = g[1:]
     # d decay_i = sum over dv (and over dk for one decay per chunk) of g_{i+1} * S_i
@@ -126,8 +132,12 @@ def _grads_from(decay, kend_t, s, d_o, bufs, d_uw):
     else:
         _split(d_uw, kend_t)[1].copy_(d_w)
     del d_w
-    d_qd = d_o @ _t(s)
-    return d_decay, d_kend_t, d_uw, d_qd, d_p, d_s0
+    d_qd = d_o @ _t(s)  # the scaled queries' gradient
+    d_qscale = None
+    if qscale is not None:
+        d_qscale = (d_qd * qd).sum(-1, keepdim=True)
+        d_qd = d_qd.mul_(qscale) if not torch.is_grad_enabled() else d_qd * qscale
+    return d_decay, d_kend_t, d_uw, d_qd, d_p, d_s0, d_qscale
 
 
 def _split(uw, kend_t):
@@ -136,12 +146,15 @@ def _split(uw, kend_t):
     return uw[..., :dv], uw[..., dv:]
 
 
-def chunk_pass(decay, kend_t, uw, qd, p, s0):
+def chunk_pass(decay, kend_t, uw, qd, p, s0, qscale=None):
     """Every chunk's output O_n = Qd_n S_n + P_n (U0_n - W_n S_n), [N, ..., C, dv], the final state,
     [..., dk, dv], and the states entering every chunk and the final one, [N + 1, ..., dk, dv] (kept
     for the backward; the final state is a copy of its last), for decay [N, ..., dk or 1, 1], kend_t
     [N, ..., dk, C], uw = [U0 | W] [N, ..., C, dv + dk] (the triangular solve's one result), qd
-    [N, ..., C, dk], p [N, ..., C, C], s0 [..., dk, dv]."""
+    [N, ..., C, dk], p [N, ..., C, C], s0 [..., dk, dv]. With qscale [N, ..., C, 1] the queries are
+    qscale * qd, scaled inside the pass (gated_delta_rule's decay from the chunk's start is one per
+    step): then no tensor of the scaled queries is kept for the backward, only qd (which the
+    caller's own products keep) and the scale."""
     # kend_t and uw as given (a transposed view is read in place: a contiguous copy would be one
     # more saved tensor of the chunks' size)
-    return _ChunkPass.apply(decay, kend_t, uw, qd, p, s0.contiguous())
+    return _ChunkPass.apply(decay, kend_t, uw, qd, p, s0.contiguous(), qscale)

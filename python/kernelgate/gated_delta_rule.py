@@ -90,7 +90,7 @@ def gated_delta_rule_reference(q, k, v, g, beta, A_log, dt_bias, initial_state, 
           else initial_state.to(acc))
     # The pass over the chunks: o = s (diag(exp G) Q S + qk U) with U = U0 - W S, S the state
     # entering the chunk
-    o, final, _ = chunk_pass(eGC, Kend_t, UW, eG * Q, qk, S0)  # o: [N, B, H, C, V]
+    o, final, _ = chunk_pass(eGC, Kend_t, UW, Q, qk, S0, eG)  # o: [N, B, H, C, V]
     o = (s * o).permute(1, 0, 3, 2, 4).reshape(B, N * C, H, V)[:, :T]
     return o.to(v.dtype), final
 
