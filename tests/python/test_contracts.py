@@ -1086,9 +1086,8 @@ def test_an_op_defined_from_python_takes_its_plain_code_as_its_eager_backend():
 def test_an_op_that_records_its_reference_trains_through_its_graph_without_a_second_forward():
     """kg.define_op(record_reference=True): where the reference serves a call needing gradients,
     PyTorch's autograd records it (its graph, not a kernelgate node, and the backward runs no second
-    forward); the gradients are those of the default, which recomputes. A call needing no gradient,
-    and a call another backend serves, go through the router as before. gated_delta_rule and kda
-    record theirs."""
+    forward); the gradients, first and second, are those of the default, which recomputes. A call
+    needing no gradient goes through the router as before. gated_delta_rule and kda record theirs."""
     calls = []
 
     def reference(x, w):
