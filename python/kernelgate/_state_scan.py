@@ -9,8 +9,8 @@ U_n = U0_n - W_n S_n, the output O_n = Qd_n S_n + P_n U_n and hands on
 (decay_n: the chunk's total decay, one per state row or one for all; Kend_n: its keys decayed to
 the chunk's end; Qd_n: its queries decayed from its start; P_n: the decayed query-key products
 within it, zero above the diagonal; a decay per step, as gated_delta_rule's, can scale the
-queries inside the pass: qscale). Only the states are sequential: three small kernels per chunk
-forward, four backward (five with qscale); the outputs and every gradient other than the states' are products of all
+queries and keys inside the pass: qscale, kscale). Only the states are sequential: three small
+kernels per chunk forward, four backward (one more each with a scale); the outputs and every gradient other than the states' are products of all
 chunks at once. The transition is never formed as a [dk, dk] matrix, and no tensor of the states'
 size is held beside the states themselves: the states are the one such tensor forward, and their
 gradients the one more backward (the outputs' gradient enters each chunk's state gradient inside
@@ -38,7 +38,7 @@ def _t(x):
 
 class _ChunkPass(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, decay, kend_t, uw, qd, p, s0, qscale):
+    def forward(ctx, decay, kend_t, uw, qd, p, s0, qscale, kscale):
         ctx.set_materialize_grads(False)
         u0, w = _split(uw, kend_t)
         n = u0.shape[0]
@@ -46,20 +46,22 @@ class _ChunkPass(torch.autograd.Function):
         states[0] = s0
         u = torch.empty(u0.shape, dtype=u0.dtype, device=u0.device)  # every chunk's U_n
         eb, kb, wb, u0b, ub, sb = (_rows(x) for x in (decay, kend_t, w, u0, u, states))
+        ksb = None if kscale is None else _rows(kscale)
+        su = None if ksb is None else torch.empty_like(ub[0])  # one chunk's U with the key scale
         for i in range(n):
             torch.baddbmm(u0b[i], wb[i], sb[i], alpha=-1.0, out=ub[i])
             torch.mul(eb[i], sb[i], out=sb[i + 1])
-            sb[i + 1].baddbmm_(kb[i], ub[i])
+            sb[i + 1].baddbmm_(kb[i], ub[i] if ksb is None else torch.mul(ksb[i], ub[i], out=su))
         o = torch.bmm(_flat(qd), _flat(states[:n]))
         if qscale is not None:
             o.mul_(_flat(qscale))
         o = o.baddbmm_(_flat(p), _flat(u)).view(u.shape)
-        ctx.save_for_backward(decay, kend_t, uw, qd, p, states, qscale)
+        ctx.save_for_backward(decay, kend_t, uw, qd, p, states, qscale, kscale)
         return o, states[n].clone(), states
 
     @staticmethod
     def backward(ctx, d_o, d_final, d_states):
-        decay, kend_t, uw, qd, p, states, qscale = ctx.saved_tensors
+        decay, kend_t, uw, qd, p, states, qscale, kscale = ctx.saved_tensors
         u0, w = _split(uw, kend_t)
         n = states.shape[0] - 1
         s = states[:n]
@@ -77,20 +79,21 @@ class _ChunkPass(torch.autograd.Function):
         #   du_i = P_i^T dO_i + Kend_i g_{i+1}
         #   g_i  = decay_i g_{i+1} + Qd_i^T dO_i - W_i^T du_i (+ d_states_i)
         eb, kb, wb, qb, db = (_rows(x) for x in (decay, kend_t, w, qd, d_o))
-        qsb = None if qscale is None else _rows(qscale)
+        qsb, ksb = (None if x is None else _rows(x) for x in (qscale, kscale))
         if torch.is_grad_enabled():
             # create_graph: out of place, so that autograd differentiates this backward (the
             # states through this Function again, as one of its outputs)
             pb = _rows(_t(p) @ d_o)
             gs, dus = [d_last], []
             for i in range(n - 1, -1, -1):
-                dus.append(torch.baddbmm(pb[i], _t(kb[i]), gs[-1]))
+                kg_i = _t(kb[i]) @ gs[-1]
+                dus.append(pb[i] + (kg_i if ksb is None else ksb[i] * kg_i))
                 do_i = db[i] if qsb is None else qsb[i] * db[i]
                 gi = torch.baddbmm(torch.baddbmm(eb[i] * gs[-1], _t(qb[i]), do_i), _t(wb[i]), dus[-1], alpha=-1.0)
                 gs.append(gi if dsb is None else gi + dsb[i])
             bufs = {"g": torch.stack(gs[::-1]).view(states.shape), "du": torch.stack(dus[::-1]).view(u.shape), "u": u}
             del gs, dus, u
-            return _grads_from(decay, kend_t, s, d_o, bufs, None, qd, qscale)
+            return _grads_from(decay, kend_t, s, d_o, bufs, None, qd, qscale, kscale)
         # into two buffers, in place: g, and U_i's gradients inside [U0 | W]'s (no second tensor of
         # [U0 | W]'s size to put them together)
         d_uw = torch.empty(uw.shape, dtype=uw.dtype, device=uw.device)
@@ -100,8 +103,12 @@ class _ChunkPass(torch.autograd.Function):
         gb, dub = _rows(g), _rows(du)
         gb[n] = d_last
         do_i = None if qsb is None else torch.empty_like(db[0])  # one chunk's dO with the query scale
+        kg_i = None if ksb is None else torch.empty_like(db[0])  # one chunk's Kend g before the key scale
         for i in range(n - 1, -1, -1):
-            dub[i].baddbmm_(_t(kb[i]), gb[i + 1])
+            if ksb is None:
+                dub[i].baddbmm_(_t(kb[i]), gb[i + 1])
+            else:
+                dub[i].addcmul_(ksb[i], torch.bmm(_t(kb[i]), gb[i + 1], out=kg_i))
             torch.mul(eb[i], gb[i + 1], out=gb[i])
             gb[i].baddbmm_(_t(qb[i]), db[i] if qsb is None else torch.mul(qsb[i], db[i], out=do_i))
             gb[i].baddbmm_(_t(wb[i]), dub[i], alpha=-1.0)
@@ -109,19 +116,24 @@ class _ChunkPass(torch.autograd.Function):
                 gb[i] += dsb[i]
         bufs = {"g": g, "du": du, "u": u}
         del g, gb, du, dub, d_w, u
-        return _grads_from(decay, kend_t, s, d_o, bufs, d_uw, qd, qscale)
+        return _grads_from(decay, kend_t, s, d_o, bufs, d_uw, qd, qscale, kscale)
 
 
-def _grads_from(decay, kend_t, s, d_o, bufs, d_uw, qd, qscale):
+def _grads_from(decay, kend_t, s, d_o, bufs, d_uw, qd, qscale, kscale):
     """The inputs' gradients from bufs, the only holder of the states' gradients (g), the
     corrected values' (du) and the corrected values (u), each dropped once read (the states'
     gradients first: the largest). d_uw: [U0 | W]'s gradient with du in place, or None (out of
-    place: made here). qd and qscale: the queries and their row scale (or None)."""
+    place: made here). qd and qscale: the queries and their row scale (or None); kend_t and kscale:
+    the keys and their column scale (or None)."""
     g, u = bufs.pop("g"), bufs.pop("u")
     g_next = g[1:]
     # d decay_i = sum over dv (and over dk for one decay per chunk) of g_{i+1} * S_i
     d_decay = torch.einsum("...kv,...kv->...k", g_next, s)[..., None].sum_to_size(decay.shape)
-    d_kend_t = g_next @ _t(u)
+    d_kend_t = g_next @ _t(u)  # the scaled keys' gradient
+    d_kscale = None
+    if kscale is not None:
+        d_kscale = _t((d_kend_t * kend_t).sum(-2, keepdim=True))
+        d_kend_t = d_kend_t.mul_(_t(kscale)) if not torch.is_grad_enabled() else d_kend_t * _t(kscale)
     d_s0 = g[0].clone()
     del g, g_next
     d_p = d_o @ _t(u)
@@ -138,7 +150,7 @@ def _grads_from(decay, kend_t, s, d_o, bufs, d_uw, qd, qscale):
     if qscale is not None:
         d_qscale = (d_qd * qd).sum(-1, keepdim=True)
         d_qd = d_qd.mul_(qscale) if not torch.is_grad_enabled() else d_qd * qscale
-    return d_decay, d_kend_t, d_uw, d_qd, d_p, d_s0, d_qscale
+    return d_decay, d_kend_t, d_uw, d_qd, d_p, d_s0, d_qscale, d_kscale
 
 
 def _split(uw, kend_t):
@@ -147,7 +159,7 @@ def _split(uw, kend_t):
     return uw[..., :dv], uw[..., dv:]
 
 
-def chunk_pass(decay, kend_t, uw, qd, p, s0, qscale=None):
+def chunk_pass(decay, kend_t, uw, qd, p, s0, qscale=None, kscale=None):
     """Every chunk's output O_n = Qd_n S_n + P_n (U0_n - W_n S_n), [N, ..., C, dv], the final state,
     [..., dk, dv], and the states entering every chunk and the final one, [N + 1, ..., dk, dv] (kept
     for the backward; the final state is a copy of its last), for decay [N, ..., dk or 1, 1], kend_t
@@ -155,7 +167,8 @@ def chunk_pass(decay, kend_t, uw, qd, p, s0, qscale=None):
     [N, ..., C, dk], p [N, ..., C, C], s0 [..., dk, dv]. With qscale [N, ..., C, 1] the queries are
     qscale * qd, scaled inside the pass (gated_delta_rule's decay from the chunk's start is one per
     step): then no tensor of the scaled queries is kept for the backward, only qd (which the
-    caller's own products keep) and the scale."""
+    caller's own products keep) and the scale. Likewise with kscale [N, ..., C, 1] the keys are
+    kend_t * kscale^T (a scale per step: gated_delta_rule's decay to the chunk's end)."""
     # kend_t and uw as given (a transposed view is read in place: a contiguous copy would be one
     # more saved tensor of the chunks' size)
-    return _ChunkPass.apply(decay, kend_t, uw, qd, p, s0.contiguous(), qscale)
+    return _ChunkPass.apply(decay, kend_t, uw, qd, p, s0.contiguous(), qscale, kscale)

@@ -83,14 +83,14 @@ def gated_delta_rule_reference(q, k, v, g, beta, A_log, dt_bias, initial_state, 
     # Every chunk's WY factors at once (they need no state): U = U0 - W S_0.
     UW = torch.linalg.solve_triangular(A, torch.cat([b[..., None] * Vc, (b[..., None] * eG) * Kc], -1),
                                        upper=False, unitriangular=True)
-    Kend_t = (Kc * torch.exp(G[..., -1:] - G)[..., None]).transpose(-1, -2)  # keys decayed to the chunk's end
+    eGend = torch.exp(G[..., -1:] - G)[..., None]  # the keys' decay to the chunk's end (applied in the pass)
     eGC = torch.exp(G[..., -1])[..., None, None]  # [N, B, H, 1, 1]
     qk = (Q @ Kc.transpose(-1, -2)) * D
     S0 = (torch.zeros(B, H, K, V, dtype=acc, device=q.device) if initial_state is None
           else initial_state.to(acc))
     # The pass over the chunks: o = s (diag(exp G) Q S + qk U) with U = U0 - W S, S the state
     # entering the chunk
-    o, final, _ = chunk_pass(eGC, Kend_t, UW, Q, qk, S0, eG)  # o: [N, B, H, C, V]
+    o, final, _ = chunk_pass(eGC, Kc.transpose(-1, -2), UW, Q, qk, S0, eG, eGend)  # o: [N, B, H, C, V]
     o = (s * o).permute(1, 0, 3, 2, 4).reshape(B, N * C, H, V)[:, :T]
     return o.to(v.dtype), final
 

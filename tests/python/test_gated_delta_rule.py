@@ -217,14 +217,14 @@ def test_gpu_fla_chunk_backward(shape):
 
 @pytest.mark.parametrize("views", [False, True], ids=["contiguous", "views"])
 @pytest.mark.parametrize("per_row_decay,qscaled", [(False, True), (False, False), (True, False)],
-                         ids=["gdr_decay_scaled_queries", "gdr_decay", "kda_decay"])
+                         ids=["gdr_decay_scaled", "gdr_decay", "kda_decay"])
 def test_the_chunk_pass_gradients_match_finite_differences(per_row_decay, qscaled, views):
     """kernelgate._state_scan's hand-written backward (every input: decay, Kend^T, [U0 | W], Qd,
     P, S_0; every output: the chunks' outputs, the final state, the states) against
     torch.autograd.gradcheck in float64, and its second derivatives (the backward differentiated by
     autograd) against gradgradcheck, for a decay per state row (kda) and one per chunk
-    (gated_delta_rule), with several chunks and a batch, with the queries' row scale inside the
-    pass (gated_delta_rule's) or none; Kend^T and [U0 | W] also as views (a transpose as the
+    (gated_delta_rule), with several chunks and a batch, with the queries' and the keys' scales per
+    step inside the pass (gated_delta_rule's) or none; Kend^T and [U0 | W] also as views (a transpose as the
     references pass it, a slice of the last dim), which it reads in place."""
     from kernelgate._state_scan import chunk_pass
 
@@ -243,7 +243,8 @@ def test_the_chunk_pass_gradients_match_finite_differences(per_row_decay, qscale
     p = torch.randn(N, B, C, C, **f64).tril().requires_grad_()
     s0 = torch.randn(B, dk, dv, **f64).requires_grad_()
     qs = torch.rand(N, B, C, 1, **f64).requires_grad_() if qscaled else None
-    inputs = (decay, kend_t, uw, qd, p, s0) + ((qs,) if qscaled else ())
+    ks = torch.rand(N, B, C, 1, **f64).requires_grad_() if qscaled else None
+    inputs = (decay, kend_t, uw, qd, p, s0) + ((qs, ks) if qscaled else ())
     assert torch.autograd.gradcheck(chunk_pass, inputs)
     assert torch.autograd.gradgradcheck(chunk_pass, inputs)
     # its two ways to the first-order gradients (in place, or out of place under create_graph)
@@ -261,7 +262,7 @@ def test_the_chunk_pass_gradients_match_finite_differences(per_row_decay, qscale
     for n in range(N):  # the recurrence itself, step by step
         u = u0[n] - w[n] @ s
         torch.testing.assert_close(o[n], (qd[n] if qs is None else qs[n] * qd[n]) @ s + p[n] @ u)
-        s = decay[n] * s + kend_t[n] @ u
+        s = decay[n] * s + (kend_t[n] if ks is None else kend_t[n] * ks[n].transpose(-1, -2)) @ u
         torch.testing.assert_close(states[n + 1], s)
     torch.testing.assert_close(final, s)
 
