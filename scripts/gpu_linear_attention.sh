@@ -4,14 +4,16 @@
 # is left of the call and writing its JSON under $OUT as it goes:
 #   1. the GPU tests of gated_delta_rule and kda (scripts/gpu_suite_summary.py -> suite_linear_attention.json)
 #   2. bench_gated_delta_rule.py: gated_delta_rule at B4 T2048 and T4096 H16 K128 (where the memory
-#      rule's margin is thinnest), with the reference's device time by ATen op (--profile), kda at
-#      T2048 -> gated_delta_rule.json, kda.json
-#   3. bench_hybrid_step.py --variants eager,kernelgate,fla_liger --gdr chunked -> hybrid_step.json
+#      rule's margin is thinnest), with the reference's device time by ATen op (--profile; set
+#      KG_GDR_PROFILE= to leave it out) -> gated_delta_rule.json
+#   3. bench_hybrid_step.py --variants eager,kernelgate,fla_liger --gdr chunked -> hybrid_step.json,
+#      then kda at T2048 -> kda.json
 #   4. bench_reference_revisions.py --revs BASE,. --helpers: the references as they were at
 #      KG_BASE_REV (default 86a5378: before the pass over the chunks gave the outputs) against the
 #      checkout's -> reference_revisions.json. BASE is .carry/base_rev if it holds staged files (the
 #      GPU machine's copy of the checkout may lack recent commits), else the revision itself; stage
 #      it here before the call: bash scripts/gpu_linear_attention.sh --stage
+# KG_TEST_K narrows the tests (a pytest -k expression, e.g. reference); KG_TESTS_CAP bounds them (s).
 # FLA's and Liger's wheels in .carry/wheels are installed by the build step (scripts/gpu_check.sh).
 #   OUT=... bash scripts/gpu_linear_attention.sh
 set -uo pipefail
@@ -33,7 +35,8 @@ KG_CUDA_ARCHS=${KG_CUDA_ARCHS:-90a-real} KG_STEPS=build bash scripts/gpu_check.s
 echo "build: $(( $(date +%s) - T0 )) s"
 source scripts/gpu_env.sh
 preload_libstdcxx
-S=$(( $(left) / 3 < 150 ? $(left) / 3 : 150 ))
+CAP=${KG_TESTS_CAP:-150}  # the tests' share: at most half of what is left, and at most CAP
+S=$(( $(left) / 2 < CAP ? $(left) / 2 : CAP ))
 OUT=$OUT KG_STEPS=tests KG_TEST_PATHS="test_gated_delta_rule.py test_kda.py" KG_TEST_N=8 KG_TEST_S=$S \
   bash scripts/gpu_check.sh >/dev/null 2>&1
 python3 scripts/gpu_suite_summary.py --part linear_attention --rc "$(cat "$OUT/pytest_gpu.rc")" --seconds "$S" \
@@ -45,9 +48,9 @@ run() {  # run SECONDS_CAP command...: at most the cap, or what is left of the c
   [ "$t" -gt 20 ] || { echo "not run (no time left): $*"; return; }
   timeout "$t" "$@" 2>&1 | tail -8
 }
-run 170 python3 bench_gated_delta_rule.py --shapes "4,2048,16,128;4,4096,16,128" --profile --out "$OUT/gated_delta_rule.json"
-run 120 python3 bench_gated_delta_rule.py --op kda --shapes 4,2048,16,128 --out "$OUT/kda.json"
+run 170 python3 bench_gated_delta_rule.py --shapes "4,2048,16,128;4,4096,16,128" ${KG_GDR_PROFILE---profile} --out "$OUT/gated_delta_rule.json"
 run 200 python3 bench_hybrid_step.py --variants eager,kernelgate,fla_liger --gdr chunked --out "$OUT/hybrid_step.json"
+run 120 python3 bench_gated_delta_rule.py --op kda --shapes 4,2048,16,128 --out "$OUT/kda.json"
 BASE=$BASE_REV; [ -f ../.carry/base_rev/kda.py ] && BASE=../.carry/base_rev
 run 120 python3 bench_reference_revisions.py --revs "$BASE,." --helpers --shapes 4,2048,16,128 \
   --out "$OUT/reference_revisions.json"
