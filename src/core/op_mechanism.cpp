@@ -108,6 +108,14 @@ struct RoutedOp {
 
   const OpContract& contract() const { return entry->contract; }
 
+  // The reference on the stack, its outputs dense as the Meta impls promise (where the contract
+  // keeps input layouts, the router lays them out). Under autograd the copies are recorded.
+  void run_reference(Stack& s) const {
+    ref->callBoxed(s);
+    if (keeps_layout) return;
+    for (size_t i = s.size() - n_out; i < s.size(); ++i) s[i] = s[i].toTensor().contiguous();
+  }
+
   uint16_t variant_at(const IValue* args, bool backward) const {
     uint16_t variant = 0;
     const auto& specs = contract().variant_args;
@@ -483,10 +491,7 @@ bool serve_eager(const RoutedOp& op, Stack& s, GradRequest need) {
   if (op.check) op.check(s, need);
   const auto args_held = op.held(call);
   if (recorded) {
-    op.ref->callBoxed(s);
-    for (size_t i = s.size() - op.n_out; !op.keeps_layout && i < s.size(); ++i) {
-      s[i] = s[i].toTensor().contiguous();  // dense, as every backend's (a recorded copy)
-    }
+    op.run_reference(s);
   } else {
     op.eager(s);
   }
@@ -594,14 +599,8 @@ class ReferenceAutograd final : public BackendImpl {
   explicit ReferenceAutograd(const RoutedOp* op) : op_(op) {}
 
   void forward(Stack& s, GradRequest) const override {
-    {
-      at::AutoGradMode no_grad(false);
-      op_->ref->callBoxed(s);
-    }
-    // Dense outputs, as the Meta impls promise (where the contract keeps input layouts, the
-    // router gives them their layouts).
-    if (op_->keeps_layout) return;
-    for (size_t i = s.size() - op_->n_out; i < s.size(); ++i) s[i] = s[i].toTensor().contiguous();
+    at::AutoGradMode no_grad(false);
+    op_->run_reference(s);
   }
 
   // _<op>_bwd's arguments: the output gradients, every tensor argument, the other arguments.
