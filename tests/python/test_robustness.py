@@ -379,12 +379,18 @@ def _workers_of(pid):
 
 def _start_hanging_sweep(db):
     """A sweep whose case hangs (case timeout 60 s), once its worker is running the case."""
+    import signal
+
     from test_evidence import plugin_path
 
+    # Ctrl-C's default disposition in the sweep, whatever this run inherited: a test runner
+    # started as a background job of a non-interactive shell ignores SIGINT, and so would its
+    # children.
     p = subprocess.Popen([sys.executable, "-m", "kernelgate.cli", "bench", "run", "rms_norm", "--grid",
                           "smoke", "--load", plugin_path(), "--backend", "reference", "--backend",
                           "faulty_hangs", "--dtype", "float32", "--shard", "0/20", "--case-timeout", "60",
-                          "--db", db], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                          "--db", db], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not _workers_of(p.pid):
         time.sleep(0.1)
