@@ -10,14 +10,14 @@ U_n = U0_n - W_n S_n, the output O_n = Qd_n S_n + P_n U_n and hands on
 the chunk's end; Qd_n: its queries decayed from its start; P_n: the decayed query-key products
 within it, zero above the diagonal; a decay per step, as gated_delta_rule's, can scale the
 queries and keys inside the pass: qscale, kscale). Only the states are sequential: three small
-kernels per chunk forward and four backward, with kscale one more each, with qscale one more
-backward; the outputs and every gradient other than the states' are products of all
-chunks at once. The transition is never formed as a [dk, dk] matrix, and no tensor of the states'
-size is held beside the states themselves: the states are the one such tensor forward, and their
-gradients the one more backward (the outputs' gradient enters each chunk's state gradient inside
-the pass, so neither a gradient of every entering state from the outputs nor one assembled from
-slices of the states is made). The backward is written in differentiable ops and the states are
-an output, so the references stay twice differentiable.
+kernels per chunk forward and three backward, with kscale one more each; the outputs and every
+gradient other than the states' are products of all chunks at once. The transition is never
+formed as a [dk, dk] matrix, and no tensor of the states' size is held beside the states
+themselves: the states are the one such tensor forward, and their gradients the one more
+backward (each state's own part of its gradient, Qd^T dO from the outputs, is written for all
+chunks at once into the gradients' buffer, which the pass back over the chunks then completes;
+no other tensor of the states' size is made). The backward is written in differentiable ops and
+the states are an output, so the references stay twice differentiable.
 """
 
 import torch
@@ -101,23 +101,38 @@ class _ChunkPass(torch.autograd.Function):
         du, d_w = _split(d_uw, kend_t)
         du.copy_(_t(p) @ d_o)
         g = torch.empty_like(states)
+        _own_parts(g[:n], qd, d_o, qscale, None if d_states is None else d_states[:n])
         gb, dub = _rows(g), _rows(du)
         gb[n] = d_last
-        do_i = None if qsb is None else torch.empty_like(db[0])  # one chunk's dO with the query scale
         kg_i = None if ksb is None else torch.empty_like(db[0])  # one chunk's Kend g before the key scale
         for i in range(n - 1, -1, -1):
             if ksb is None:
                 dub[i].baddbmm_(_t(kb[i]), gb[i + 1])
             else:
                 dub[i].addcmul_(ksb[i], torch.bmm(_t(kb[i]), gb[i + 1], out=kg_i))
-            torch.mul(eb[i], gb[i + 1], out=gb[i])
-            gb[i].baddbmm_(_t(qb[i]), db[i] if qsb is None else torch.mul(qsb[i], db[i], out=do_i))
+            gb[i].addcmul_(eb[i], gb[i + 1])
             gb[i].baddbmm_(_t(wb[i]), dub[i], alpha=-1.0)
-            if dsb is not None:
-                gb[i] += dsb[i]
         bufs = {"g": g, "du": du, "u": u}
         del g, gb, du, dub, d_w, u
         return _grads_from(decay, kend_t, s, d_o, bufs, d_uw, qd, qscale, kscale)
+
+
+def _own_parts(g, qd, d_o, qscale, d_states, blocks=8):
+    """g[i] = Qd_i^T (qscale_i dO_i) (+ d_states_i) for every chunk i, into g [N, ..., dk, dv]:
+    the part of each state's gradient that does not come through the next state, for all chunks
+    at once rather than one product per chunk in the sequential loop. With the query scale, the
+    scaled dO is made for a block of chunks at a time (about 1/blocks of dO's size)."""
+    gf = _flat(g)
+    if qscale is None:
+        torch.bmm(_t(_flat(qd)), _flat(d_o), out=gf)
+    else:
+        n = g.shape[0]
+        step = max(1, -(-n // blocks))
+        for b in range(0, n, step):
+            rows = _flat(g[b:b + step])
+            torch.bmm(_t(_flat(qd[b:b + step])), _flat(qscale[b:b + step] * d_o[b:b + step]), out=rows)
+    if d_states is not None:
+        g += d_states
 
 
 def _grads_from(decay, kend_t, s, d_o, bufs, d_uw, qd, qscale, kscale):

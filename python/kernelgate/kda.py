@@ -24,7 +24,7 @@ block per chunk is why the chunk is short), in blocks of chunks and again in the
 than kept (_DecayedProducts); U = U0 - W S_0 with U0 = (I + A)^-1 diag(b) V and
 W = (I + A)^-1 diag(b) (K exp G), solved for every chunk at once. The state leaving a chunk,
 exp(G_C) S_0 + (K exp(G_C - G))^T U, is carried by the pass over the chunks of
-kernelgate._state_scan (three small kernels per chunk forward, four backward), which gives
+kernelgate._state_scan (three small kernels per chunk forward, three backward), which gives
 o = scale ((Q exp G) S_0 + P U) for every chunk at once. A sequence not a multiple of 16 is
 padded with steps of decay 0 and b = 0. Its gradients are autograd's through that code (the state
 pass's, the decay products' and the q, k normalisation's written out); tests/python/test_kda.py
