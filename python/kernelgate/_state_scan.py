@@ -47,12 +47,12 @@ class _ChunkPass(torch.autograd.Function):
         states[0] = s0
         u = torch.empty(u0.shape, dtype=u0.dtype, device=u0.device)  # every chunk's U_n
         eb, kb, wb, u0b, ub, sb = (_rows(x) for x in (decay, kend_t, w, u0, u, states))
-        ksb = None if kscale is None else _rows(kscale)
-        su = None if ksb is None else torch.empty_like(ub[0])  # one chunk's U with the key scale
+        keys = _Keys(kb, kscale)
         for i in range(n):
             torch.baddbmm(u0b[i], wb[i], sb[i], alpha=-1.0, out=ub[i])
             torch.mul(eb[i], sb[i], out=sb[i + 1])
-            sb[i + 1].baddbmm_(kb[i], ub[i] if ksb is None else torch.mul(ksb[i], ub[i], out=su))
+            sb[i + 1].baddbmm_(keys[i], ub[i])
+        del keys
         o = torch.bmm(_flat(qd), _flat(states[:n]))
         if qscale is not None:
             o.mul_(_flat(qscale))
@@ -104,17 +104,38 @@ class _ChunkPass(torch.autograd.Function):
         _own_parts(g[:n], qd, d_o, qscale, None if d_states is None else d_states[:n])
         gb, dub = _rows(g), _rows(du)
         gb[n] = d_last
-        kg_i = None if ksb is None else torch.empty_like(db[0])  # one chunk's Kend g before the key scale
+        keys = _Keys(kb, kscale)
         for i in range(n - 1, -1, -1):
-            if ksb is None:
-                dub[i].baddbmm_(_t(kb[i]), gb[i + 1])
-            else:
-                dub[i].addcmul_(ksb[i], torch.bmm(_t(kb[i]), gb[i + 1], out=kg_i))
+            dub[i].baddbmm_(_t(keys[i]), gb[i + 1])
             gb[i].addcmul_(eb[i], gb[i + 1])
             gb[i].baddbmm_(_t(wb[i]), dub[i], alpha=-1.0)
         bufs = {"g": g, "du": du, "u": u}
-        del g, gb, du, dub, d_w, u
+        del g, gb, du, dub, d_w, u, keys
         return _grads_from(decay, kend_t, s, d_o, bufs, d_uw, qd, qscale, kscale)
+
+
+class _Keys:
+    """Chunk i's keys for the pass, Kend_i^T [batch, dk, C]: kb[i] itself, or with the key scale
+    kb[i] diag(kscale_i), made for a block of chunks at a time (about 1/blocks of the keys' size,
+    in one buffer), so the pass neither keeps a scaled copy of every key nor scales per chunk."""
+
+    def __init__(self, kb, kscale, blocks=8):
+        self.kb, self.ksb = kb, None if kscale is None else _rows(kscale)
+        self.step = max(1, -(-kb.shape[0] // blocks))
+        self.block, self.buf = -1, None
+
+    def __getitem__(self, i):
+        if self.ksb is None:
+            return self.kb[i]
+        j = i // self.step
+        if j != self.block:
+            b = slice(j * self.step, (j + 1) * self.step)
+            if self.buf is None:  # a whole block's size (the pass back meets the last, shorter one first)
+                kb = self.kb
+                self.buf = torch.empty((self.step,) + tuple(kb.shape[1:]), dtype=kb.dtype, device=kb.device)
+            self.block, rows = j, self.kb[b].shape[0]
+            torch.mul(self.kb[b], _t(self.ksb[b]), out=self.buf[:rows])
+        return self.buf[i - j * self.step]
 
 
 def _own_parts(g, qd, d_o, qscale, d_states, blocks=8):
