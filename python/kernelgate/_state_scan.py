@@ -10,8 +10,9 @@ U_n = U0_n - W_n S_n, the output O_n = Qd_n S_n + P_n U_n and hands on
 the chunk's end; Qd_n: its queries decayed from its start; P_n: the decayed query-key products
 within it, zero above the diagonal; a decay per step, as gated_delta_rule's, can scale the
 queries and keys inside the pass: qscale, kscale). Only the states are sequential: three small
-kernels per chunk forward and three backward, with kscale one more each; the outputs and every
-gradient other than the states' are products of all chunks at once. The transition is never
+kernels per chunk forward and three backward, with the scales or without (the keys' scale is
+applied to a block of chunks' keys at a time); the outputs and every gradient other than the
+states' are products of all chunks at once. The transition is never
 formed as a [dk, dk] matrix, and no tensor of the states' size is held beside the states
 themselves: the states are the one such tensor forward, and their gradients the one more
 backward (each state's own part of its gradient, Qd^T dO from the outputs, is written for all

@@ -25,7 +25,7 @@ is exp(G_C) S_0 + K^T diag(exp(G_C - G)) U. The triangular systems of every chun
 once, before the pass over the chunks (U = U0 - W S_0 with U0 = (I + A)^-1 diag(b) V and
 W = (I + A)^-1 diag(b exp G) K, which need no state). The pass over the chunks
 (kernelgate._state_scan) then carries the state, S' = exp(G_C) S + Kend^T U (Kend: the keys
-decayed to the chunk's end), four small kernels per chunk forward and four backward, and gives
+decayed to the chunk's end), three small kernels per chunk forward and three backward, and gives
 every chunk's output from the states at once. Every exponent is <= 0 (the decays are masked before
 exp), so nothing overflows; a sequence not a multiple of 64 is padded with steps of decay 0 and
 b = 0, which leave the state as it is. Its gradients are autograd's through that code (the pass's
