@@ -73,19 +73,18 @@ class _ChunkPass(torch.autograd.Function):
             d_o = torch.zeros_like(u)
         d_o = d_o.contiguous()
         d_last = torch.zeros_like(states[n]) if d_final is None else d_final
-        dsb = None if d_states is None else _rows(d_states)
-        if dsb is not None:
+        if d_states is not None:
             d_last = d_last + d_states[n]
         d_last = d_last.flatten(0, -3)
         # g_i: the gradient of S_i, all paths; du_i: that of U_i. Going back over the chunks:
         #   du_i = P_i^T dO_i + Kend_i g_{i+1}
         #   g_i  = decay_i g_{i+1} + Qd_i^T dO_i - W_i^T du_i (+ d_states_i)
-        eb, kb, wb, qb, db = (_rows(x) for x in (decay, kend_t, w, qd, d_o))
-        qsb, ksb = (None if x is None else _rows(x) for x in (qscale, kscale))
+        eb, kb, wb = (_rows(x) for x in (decay, kend_t, w))
         if torch.is_grad_enabled():
             # create_graph: out of place, so that autograd differentiates this backward (the
             # states through this Function again, as one of its outputs)
-            pb = _rows(_t(p) @ d_o)
+            qb, db, pb = _rows(qd), _rows(d_o), _rows(_t(p) @ d_o)
+            qsb, ksb, dsb = (None if x is None else _rows(x) for x in (qscale, kscale, d_states))
             gs, dus = [d_last], []
             for i in range(n - 1, -1, -1):
                 kg_i = _t(kb[i]) @ gs[-1]
@@ -117,12 +116,12 @@ class _ChunkPass(torch.autograd.Function):
 
 class _Keys:
     """Chunk i's keys for the pass, Kend_i^T [batch, dk, C]: kb[i] itself, or with the key scale
-    kb[i] diag(kscale_i), made for a block of chunks at a time (about 1/blocks of the keys' size,
-    in one buffer), so the pass neither keeps a scaled copy of every key nor scales per chunk."""
+    kb[i] diag(kscale_i), made for a block of chunks at a time (_block_size; one buffer), so the
+    pass neither keeps a scaled copy of every key nor scales per chunk."""
 
-    def __init__(self, kb, kscale, blocks=8):
+    def __init__(self, kb, kscale):
         self.kb, self.ksb = kb, None if kscale is None else _rows(kscale)
-        self.step = max(1, -(-kb.shape[0] // blocks))
+        self.step = _block_size(kb.shape[0])
         self.block, self.buf = -1, None
 
     def __getitem__(self, i):
@@ -131,25 +130,31 @@ class _Keys:
         j = i // self.step
         if j != self.block:
             b = slice(j * self.step, (j + 1) * self.step)
+            keys = self.kb[b]
             if self.buf is None:  # a whole block's size (the pass back meets the last, shorter one first)
-                kb = self.kb
-                self.buf = torch.empty((self.step,) + tuple(kb.shape[1:]), dtype=kb.dtype, device=kb.device)
-            self.block, rows = j, self.kb[b].shape[0]
-            torch.mul(self.kb[b], _t(self.ksb[b]), out=self.buf[:rows])
+                self.buf = torch.empty((self.step,) + tuple(keys.shape[1:]), dtype=keys.dtype, device=keys.device)
+            self.block = j
+            torch.mul(keys, _t(self.ksb[b]), out=self.buf[:keys.shape[0]])
         return self.buf[i - j * self.step]
 
 
-def _own_parts(g, qd, d_o, qscale, d_states, blocks=8):
+def _block_size(n, blocks=8):
+    """Chunks per block where the pass makes a scaled copy for a block of chunks at a time: about
+    1/blocks of the n chunks."""
+    return max(1, -(-n // blocks))
+
+
+def _own_parts(g, qd, d_o, qscale, d_states):
     """g[i] = Qd_i^T (qscale_i dO_i) (+ d_states_i) for every chunk i, into g [N, ..., dk, dv]:
     the part of each state's gradient that does not come through the next state, for all chunks
     at once rather than one product per chunk in the sequential loop. With the query scale, the
-    scaled dO is made for a block of chunks at a time (about 1/blocks of dO's size)."""
+    scaled dO is made for a block of chunks at a time (_block_size)."""
     gf = _flat(g)
     if qscale is None:
         torch.bmm(_t(_flat(qd)), _flat(d_o), out=gf)
     else:
         n = g.shape[0]
-        step = max(1, -(-n // blocks))
+        step = _block_size(n)
         for b in range(0, n, step):
             rows = _flat(g[b:b + step])
             torch.bmm(_t(_flat(qd[b:b + step])), _flat(qscale[b:b + step] * d_o[b:b + step]), out=rows)
