@@ -297,13 +297,16 @@ UsableEvidence usable_evidence(const std::string& user_db,
   }
   if (!shipped.rows.empty()) out.sets.push_back(std::move(shipped));
 
-  // Borrowed rows: case by case under the user's own rows, alone where nothing else speaks.
+  // Borrowed rows: case by case under this GPU's own rows (the user's store's, or shipped ones:
+  // a GPU whose shipped evidence is a rerank of another's holds the timed runs only, and the
+  // lender's verdicts on the other cases keep a backend out where it failed there), alone where
+  // nothing else speaks.
   using RunKey = std::tuple<std::string, std::string, std::string>;
   std::set<RunKey> local;
   EvidenceSet* user_set = nullptr;
+  EvidenceSet* shipped_set = nullptr;
   for (auto& set : out.sets) {
-    if (set.shipped) continue;
-    user_set = &set;
+    (set.shipped ? shipped_set : user_set) = &set;
     for (const auto& r : set.rows) local.insert({r.op, r.backend, r.case_id});
   }
   EvidenceSet lent{true, true, "", {}};
@@ -328,7 +331,7 @@ UsableEvidence usable_evidence(const std::string& user_db,
   size_t pruned = 0;
   for (size_t i = 0; i < borrowed.size(); ++i) {
     store::Result& r = borrowed[i];
-    if (shipped_regions.count(r.region) || local.count({r.op, r.backend, r.case_id})) continue;
+    if (local.count({r.op, r.backend, r.case_id})) continue;
     if (timed_pass(r)) {
       if (lender_time(r) > kRerankSlowerOnLender * fastest.at({r.op, r.case_id})) {
         ++pruned;
@@ -344,6 +347,8 @@ UsableEvidence usable_evidence(const std::string& user_db,
     out.borrowed_in[r.region].insert(lenders[i]);
     if (covered.count(r.region) && user_set != nullptr) {
       user_set->rows.push_back(std::move(r));
+    } else if (shipped_regions.count(r.region) && shipped_set != nullptr) {
+      shipped_set->rows.push_back(std::move(r));
     } else {
       lent_by.insert(lenders[i]);
       lent.rows.push_back(std::move(r));

@@ -180,3 +180,32 @@ def test_evidence_of_this_very_device_is_not_borrowed(lender, tmp_path):
     assert regions["regions"] and all(r["evidence"] == "evidence shipped with kernelgate"
                                       for r in regions["regions"])
     assert not any("borrowed (another GPU" in n for n in regions["notes"])
+
+
+def test_a_rerank_shipped_as_this_gpus_evidence_ranks_as_the_users_own(lender, tmp_path, capsys):
+    """A GPU model whose shipped evidence is a rerank of another's (timed runs only; the H100's
+    is one: scripts/gpu_rerank_ship.sh) ranks as a user's own rerank would: the lender's verdicts
+    fill in, case by case, the runs the shipped store lacks, so a backend that failed a
+    special-value case on the lender stays out where it failed, and the provenance names both."""
+    _, foreign = lender
+    rerank = str(tmp_path / "rerank.sqlite")
+    try:
+        _C.use_evidence(rerank, [foreign])
+        out = run(capsys, "rerank", "rms_norm", "--db", rerank, "--lender", foreign, "--time-cap", "0.01",
+                  "--case-timeout", "5", "--load", plugin_path())
+        assert out["rms_norm"]["dispositions"] == {"passed": out["rms_norm"]["planned"]}, out
+    finally:
+        kg.evidence.install()
+    as_user = _C.policy_regions("rms_norm", rerank, [foreign])["regions"]
+    as_shipped = _C.policy_regions("rms_norm", str(tmp_path / "empty.sqlite"), [foreign, rerank])["regions"]
+    assert {r["region"]: r["ranked"] for r in as_shipped} == {r["region"]: r["ranked"] for r in as_user}
+    assert any(r["ranked"] for r in as_shipped)
+    failing = {r["region"] for r in as_user for s in r["standings"]
+               if s["backend"] == "faulty_ignores_eps" and s["failures"]}
+    assert failing and all("faulty_ignores_eps" not in r["ranked"] for r in as_shipped if r["region"] in failing)
+    for r in as_shipped:
+        if r["ranked"]:
+            assert r["evidence"] == ("evidence shipped with kernelgate; correctness of cases not run here "
+                                     "borrowed from " + FOREIGN), r["evidence"]
+    # Nothing is left for a user's rerank: the shipped store timed it.
+    assert _C.rerank_plan("rms_norm", str(tmp_path / "empty.sqlite"), [foreign, rerank]) == []

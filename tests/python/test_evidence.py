@@ -451,6 +451,45 @@ def test_every_op_ships_h200_evidence():
     assert not H200_NOT_YET
 
 
+# The ops defined from Python (gated_delta_rule, kda, attention_varlen): their H200 evidence ships
+# the same way, guarded by the same rule; those listed here have none yet and run their fallback
+# (the reference for gated_delta_rule and kda, PyTorch's varlen attention for attention_varlen).
+PYTHON_H200_NOT_YET: set = {"gated_delta_rule", "kda", "attention_varlen"}
+PYTHON_OPS = sorted(o["name"] for o in kg.ops() if o["defined_in_python"])
+
+
+def test_every_python_op_not_listed_as_not_yet_ships_h200_evidence():
+    assert PYTHON_H200_NOT_YET <= set(PYTHON_OPS)
+    assert set(_shipped_h200()) & set(PYTHON_OPS) == set(PYTHON_OPS) - PYTHON_H200_NOT_YET
+
+
+@pytest.mark.parametrize("op", sorted(set(PYTHON_OPS) - PYTHON_H200_NOT_YET))
+def test_shipped_h200_evidence_of_a_python_op_is_current_for_this_build(op):
+    # A Python-defined op's source hash covers its reference, its eager code and what they call
+    # (docs/evidence.md): a change there leaves the shipped rows stale, which this names.
+    import sqlite3
+
+    con = sqlite3.connect(f"file:{_shipped_h200()[op]}?mode=ro", uri=True)
+    fps = con.execute(
+        "SELECT DISTINCT f.gpu_name, f.compute_capability, f.source_hash, f.kernelgate_version, f.torch_version "
+        "FROM results r JOIN fingerprints f ON f.id = r.fingerprint_id").fetchall()
+    ops = {r[0] for r in con.execute("SELECT DISTINCT op FROM results")}
+    backends = {r[0] for r in con.execute("SELECT DISTINCT backend FROM results")}
+    passed = con.execute("SELECT COUNT(*) FROM results WHERE disposition = 'passed'").fetchone()[0]
+    con.close()
+    assert ops == {op} and len(fps) == 1, (ops, fps)
+    gpu, cc, source_hash, version, torch_version = fps[0]
+    assert (gpu, cc) == ("NVIDIA H200", "9.0")
+    now = _C.fingerprint(op)
+    assert source_hash == now["source_hash"], (
+        f"the shipped H200 {op} evidence is for source hash {source_hash}, this build's is "
+        f"{now['source_hash']}: re-run the sweep on an H200 and ship its store")
+    assert version == now["kernelgate_version"] and torch_version == now["torch_version"]
+    registered = {b["name"] for b in next(o for o in kg.ops() if o["name"] == op)["backends"]}
+    assert backends <= registered | {b.name for b in kg_backends.BACKENDS if b.op == op}, backends
+    assert passed > 0
+
+
 @pytest.mark.parametrize("op", sorted({o["name"] for o in kg.ops() if not o["defined_in_python"]} - H200_NOT_YET))
 def test_shipped_h200_evidence_is_current_for_this_build(op):
     # The H200 evidence in the package is used only where its fingerprint matches, the op's
@@ -503,6 +542,47 @@ def test_shipped_h200_evidence_measured_every_production_case(op):
     con.close()
     missing = sorted((b, c) for b in BUILTIN_BACKENDS[op] for c in wanted if (b, c) not in have)
     assert not missing, f"{len(missing)} production runs not in the shipped store, e.g. {missing[:3]}"
+
+def _shipped_of_other_gpus():
+    from kernelgate import evidence
+
+    return sorted(p for p in evidence.shipped_paths() if not os.path.basename(p).startswith("h200-"))
+
+
+@pytest.mark.parametrize("path", _shipped_of_other_gpus(), ids=lambda p: os.path.basename(p).rsplit("-", 1)[0])
+def test_shipped_evidence_of_a_second_gpu_is_a_current_rerank_of_the_h200s(path):
+    """Evidence shipped for another GPU model of the H200's architecture (the H100's:
+    scripts/gpu_rerank_ship.sh) is a rerank of the shipped H200 evidence on that GPU: for this
+    build (a change to the op leaves it stale as it does the H200's: rerank again and ship), of an
+    op whose H200 evidence ships (the lender whose verdicts fill in the cases it did not run), only
+    runs the H200 store has, every one validated again there (what fails there is kept: it keeps its
+    backend out of the case's region on that GPU)."""
+    import sqlite3
+
+    tag, op = os.path.basename(path).split(".")[0].split("-")[:2]
+    lender = _shipped_h200().get(op)
+    assert lender, f"{os.path.basename(path)}: no H200 evidence of {op} ships to lend the cases it did not run"
+    con = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    fps = con.execute(
+        "SELECT DISTINCT f.gpu_name, f.compute_capability, f.source_hash, f.kernelgate_version, f.torch_version "
+        "FROM results r JOIN fingerprints f ON f.id = r.fingerprint_id").fetchall()
+    ops = {r[0] for r in con.execute("SELECT DISTINCT op FROM results")}
+    runs = set(con.execute("SELECT backend, case_id FROM results"))
+    counts = dict(con.execute("SELECT disposition, COUNT(*) FROM results GROUP BY 1"))
+    con.close()
+    assert ops == {op} and len(fps) == 1, (ops, fps)
+    gpu, cc, source_hash, version, torch_version = fps[0]
+    assert tag.upper() in gpu and gpu != "NVIDIA H200" and cc == "9.0", fps[0]
+    now = _C.fingerprint(op)
+    assert (source_hash, version, torch_version) == (now["source_hash"], now["kernelgate_version"],
+                                                     now["torch_version"]), (
+        f"the shipped {gpu} {op} evidence is for another build: rerank it on that GPU and ship it")
+    con = sqlite3.connect(f"file:{lender}?mode=ro", uri=True)
+    lent = set(con.execute("SELECT backend, case_id FROM results"))
+    con.close()
+    assert runs <= lent, sorted(runs - lent)[:3]
+    assert counts.get("passed", 0) > 0, counts
+
 
 def test_the_step_benchmarks_calls_are_ranked_by_the_shipped_evidence(tmp_path):
     """Every kernelgate call of bench/bench_train_step.py's model, with and without gradients,
