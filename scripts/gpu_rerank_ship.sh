@@ -24,7 +24,7 @@ GPU=$(python3 -c 'import torch; print(torch.cuda.get_device_name().replace("NVID
 [ "$GPU" = h200 ] && { echo "this is the GPU the shipped evidence was swept on: nothing to rerank"; exit 1; }
 OPS=${1:-$(python3 -c 'import os, kernelgate as kg; print(" ".join(sorted({os.path.basename(p).split("-")[1].split(".")[0] for p in kg.evidence.shipped_paths() if os.path.basename(p).startswith("h200-")})))')}
 SW=/tmp/kg_rerank && rm -rf "$SW" && mkdir -p "$SW"
-DEADLINE=${KG_RERANK_DEADLINE:-440}
+DEADLINE=${KG_RERANK_DEADLINE:-$(( ${KG_CALL_S:-570} - 130 ))}
 for op in $OPS; do
   t=$(( DEADLINE - $(el) ))
   [ "$t" -gt 15 ] || { echo "$op: not started (deadline)"; continue; }
