@@ -205,8 +205,8 @@ _CONV_DEFAULTS = _defaults_after(causal_conv1d, 3)  # after x, weight and bias
 # below), and those that send a call to FLA unless they have their default.
 GDR_HANDLED = ("q", "k", "v", "g", "beta", "scale", "initial_state", "output_final_state",
                "use_qk_l2norm_in_kernel", "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "state_v_first",
-               "use_gate_in_kernel", "A_log", "dt_bias")
-GDR_FORWARDED = ("cu_seqlens", "cu_seqlens_cpu", "chunk_indices", "cp_context", "chunk_size",
+               "use_gate_in_kernel", "A_log", "dt_bias", "cu_seqlens", "cu_seqlens_cpu")
+GDR_FORWARDED = ("chunk_indices", "cp_context", "chunk_size",
                  "transpose_state_layout", "head_first", "kwargs")
 _GDR_KEYWORDS = ("use_gate_in_kernel", "A_log", "dt_bias")  # read from FLA's **kwargs
 
@@ -252,9 +252,7 @@ def _fla_tilelang_serves_dqkwg() -> bool:
 def _gdr_refusal(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                  use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens, cu_seqlens_cpu,
                  chunk_indices, cp_context, kwargs) -> Optional[str]:
-    forwarded = {"cu_seqlens": cu_seqlens, "cu_seqlens_cpu": cu_seqlens_cpu, "chunk_indices": chunk_indices,
-                 "cp_context": cp_context}
-    for name, value in forwarded.items():
+    for name, value in {"chunk_indices": chunk_indices, "cp_context": cp_context}.items():
         if value is not None:
             return f"{name} is given (kernelgate implements it as None only)"
     unknown = set(kwargs) - set(_GDR_KEYWORDS)
@@ -271,9 +269,35 @@ def _gdr_refusal(q, k, v, g, beta, scale, initial_state, output_final_state, use
     if why is not None:
         return why
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-    if grad and _fla_refuses_gated_backward(q.device):
+    refused = grad and _fla_refuses_gated_backward(q.device)
+    if cu_seqlens is not None or cu_seqlens_cpu is not None:
+        if refused:
+            return None  # one call of kernelgate's op per sequence (_gdr_per_sequence)
+        return ("cu_seqlens is given (kernelgate serves a varlen call only where FLA refuses its own "
+                "backward, one call of its op per sequence)")
+    if refused:
         return None  # FLA would raise in the backward; kernelgate's op has one
     return _routed_by_evidence("gated_delta_rule", tensors, {})
+
+
+def _gdr_per_sequence(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, offsets):
+    """A varlen call (the sequences packed as batch 1 between the offsets) as one call of
+    kernelgate's gated_delta_rule per sequence, on views of the packed tensors: o concatenated back
+    into the packed layout, the final states stacked one per sequence, [N, H, K, V], as FLA returns
+    them. initial_state, where given, holds one state per sequence."""
+    n = len(offsets) - 1
+    if initial_state is not None and (initial_state.dim() != 4 or initial_state.shape[0] != n):
+        raise ValueError(f"chunk_gated_delta_rule: with cu_seqlens, initial_state must hold one state per "
+                         f"sequence ([{n}, H, K, V] for {n} sequences), got shape {list(initial_state.shape)}")
+    outs, states = [], []
+    for i in range(n):
+        a, b = offsets[i], offsets[i + 1]
+        o, state = torch.ops.kernelgate.gated_delta_rule(
+            q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], A_log, dt_bias,
+            None if initial_state is None else initial_state[i:i + 1], scale)
+        outs.append(o)
+        states.append(state)
+    return torch.cat(outs, 1), torch.cat(states, 0)
 
 
 def _delta_rule_call_refusal(tensors, scale) -> Optional[str]:
@@ -319,15 +343,21 @@ def chunk_gated_delta_rule(
     ``use_beta_sigmoid_in_kernel`` and ``use_gate_in_kernel`` with ``A_log`` all given) where evidence
     ranks a kernel for the call, and, when the call needs gradients, wherever FLA refuses its own
     backward (Hopper with Triton 3.4 to 3.7.0): there FLA's backward raises, and kernelgate's op
-    (its reference, unless evidence ranks another) computes it. Every other call goes to FLA
-    verbatim."""
+    (its reference, unless evidence ranks another) computes it, for a varlen call (``cu_seqlens``)
+    one call per sequence. Every other call goes to FLA verbatim."""
     _check_cu_seqlens(q, cu_seqlens, cu_seqlens_cpu, "chunk_gated_delta_rule")
     why = _gdr_refusal(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                        use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens, cu_seqlens_cpu,
                        chunk_indices, cp_context, kwargs)
     if why is None:
-        o, state = torch.ops.kernelgate.gated_delta_rule(q, k, v, g, beta, kwargs["A_log"], kwargs.get("dt_bias"),
-                                                         initial_state, 0.0 if scale is None else float(scale))
+        s = 0.0 if scale is None else float(scale)
+        if cu_seqlens is not None or cu_seqlens_cpu is not None:  # read on the host, as FLA does
+            offsets = (cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens).tolist()
+            o, state = _gdr_per_sequence(q, k, v, g, beta, kwargs["A_log"], kwargs.get("dt_bias"), initial_state,
+                                         s, offsets)
+        else:
+            o, state = torch.ops.kernelgate.gated_delta_rule(q, k, v, g, beta, kwargs["A_log"],
+                                                             kwargs.get("dt_bias"), initial_state, s)
         return o, (state if output_final_state else None)
     _log_once(why)
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gated_delta_rule

@@ -349,6 +349,59 @@ def test_gdr_under_torch_compile_without_a_graph_break():
     torch._dynamo.reset()
 
 
+VARLEN_OFFSETS = [0, 5, 5, 70, 141, 150]  # a sequence below a chunk, an empty one, across chunks
+
+
+def _varlen_inputs(device="cpu", dtype=torch.float32):
+    args, kw = gdr_inputs(device, dtype, B=1, T=VARLEN_OFFSETS[-1], requires_grad=True)
+    n, (_, _, H, K), V = len(VARLEN_OFFSETS) - 1, args[0].shape, args[2].shape[-1]
+    h0 = torch.randn(n, H, K, V, generator=torch.Generator().manual_seed(1)).to(device, dtype).requires_grad_()
+    return args, kw, h0
+
+
+def test_gdr_varlen_training_where_fla_refuses_its_backward_is_one_op_call_per_sequence(monkeypatch):
+    """Where FLA refuses its gated backward, a varlen call of the fused form that needs gradients is
+    kernelgate's op on each sequence (an empty one included): its outputs and every gradient (the
+    initial states' too) are those of the per-sequence calls, and they agree with the float64
+    recurrence of each sequence. Without gradients, or where FLA has its backward, FLA serves."""
+    from kernelgate.testing import check_against_oracle
+    from test_gated_delta_rule import recurrence
+
+    args, kw, h0 = _varlen_inputs()
+    cu = torch.tensor(VARLEN_OFFSETS)
+    assert kfla.explain_chunk_gated_delta_rule(*args, cu_seqlens=cu, **kw).startswith("FLA: cu_seqlens is given")
+    monkeypatch.setattr(kfla, "_fla_refuses_gated_backward", lambda device: True)
+    assert kfla.explain_chunk_gated_delta_rule(*args, cu_seqlens=cu, initial_state=h0, **kw) == "kernelgate"
+    with torch.no_grad():
+        assert kfla.explain_chunk_gated_delta_rule(*args, cu_seqlens=cu, **kw).startswith("FLA: cu_seqlens is given")
+    for given in ({"cu_seqlens": cu}, {"cu_seqlens_cpu": cu}, {"cu_seqlens": cu, "cu_seqlens_cpu": cu}):
+        o, state = kfla.chunk_gated_delta_rule(*args, initial_state=h0, output_final_state=True, **given, **kw)
+        assert o.shape == (1, 150, 3, 8) and state.shape == (5, 3, 16, 8) and state.dtype == torch.float32
+    leaves = [*args, kw["A_log"], kw["dt_bias"], h0]
+    weights = torch.randn(o.shape, generator=torch.Generator().manual_seed(2)), torch.randn(state.shape)
+    got = torch.autograd.grad((o * weights[0]).sum() + (state * weights[1]).sum(), leaves)
+    outs, states = [], []
+    for i, (a, b) in enumerate(zip(VARLEN_OFFSETS, VARLEN_OFFSETS[1:])):
+        o_i, s_i = kg.gated_delta_rule(*[t[:, a:b] for t in args], kw["A_log"], kw["dt_bias"], h0[i:i + 1])
+        outs.append(o_i)
+        states.append(s_i)
+        if a == b:
+            continue
+        o64, s64 = recurrence(*[t[:, a:b].detach().double() for t in args], kw["A_log"].detach().double(),
+                              kw["dt_bias"].detach().double(), h0[i:i + 1].detach().double(), 0.0)
+        check_against_oracle("o", o[:, a:b].detach(), o64.float(), o64, torch.float32)
+        check_against_oracle("final_state", state[i:i + 1].detach(), s64.float(), s64, torch.float32)
+    assert torch.equal(states[1], h0[1:2].float())  # the empty sequence keeps its initial state
+    want = torch.autograd.grad((torch.cat(outs, 1) * weights[0]).sum() + (torch.cat(states) * weights[1]).sum(),
+                               leaves)
+    assert torch.equal(o, torch.cat(outs, 1)) and torch.equal(state, torch.cat(states))
+    for name, a, b in zip(["q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state"], got, want):
+        assert torch.equal(a, b), name
+    with pytest.raises(ValueError, match=r"chunk_gated_delta_rule: with cu_seqlens, initial_state must hold one "
+                                         r"state per sequence \(\[5, H, K, V\] for 5 sequences\), got shape \[4, 3, 16, 8\]"):
+        kfla.chunk_gated_delta_rule(*args, initial_state=h0[:4], cu_seqlens=cu, **kw)
+
+
 @pytest.mark.gpu
 def test_gpu_gdr_fallback_is_bit_identical_to_fla():
     fla = fla_gdr()
@@ -378,6 +431,28 @@ def test_gpu_gdr_training_where_fla_refuses_its_backward_trains_through_kernelga
     got = torch.autograd.grad(o.float().square().sum(), leaves)
     o2, _ = kg.gated_delta_rule(*args, kw["A_log"], kw["dt_bias"])
     want = torch.autograd.grad(o2.float().square().sum(), leaves)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_gpu_gdr_varlen_training_where_fla_refuses_its_backward_trains_through_kernelgate():
+    """The varlen form of the test above on the GPU: FLA raises in its backward, the drop-in's call
+    trains, with the gradients of kernelgate's op called per sequence."""
+    fla = fla_gdr()
+    args, kw, h0 = _varlen_inputs("cuda", torch.bfloat16)
+    if not kfla._fla_refuses_gated_backward(args[0].device):
+        pytest.skip("FLA runs its own backward on this GPU and Triton")
+    cu = torch.tensor(VARLEN_OFFSETS, device="cuda")
+    o, _ = fla(*args, initial_state=h0, cu_seqlens=cu, **kw)
+    with pytest.raises(RuntimeError, match="chunk_bwd_dqkwg"):
+        o.float().sum().backward()
+    leaves = [*args, kw["A_log"], kw["dt_bias"], h0]
+    o, state = kfla.chunk_gated_delta_rule(*args, initial_state=h0, output_final_state=True, cu_seqlens=cu, **kw)
+    got = torch.autograd.grad(o.float().square().sum() + state.sum(), leaves)
+    outs, states = zip(*[kg.gated_delta_rule(*[t[:, a:b] for t in args], kw["A_log"], kw["dt_bias"], h0[i:i + 1])
+                         for i, (a, b) in enumerate(zip(VARLEN_OFFSETS, VARLEN_OFFSETS[1:]))])
+    want = torch.autograd.grad(torch.cat(outs, 1).float().square().sum() + torch.cat(states).sum(), leaves)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
 
