@@ -258,43 +258,82 @@ def _gdr_refusal(q, k, v, g, beta, scale, initial_state, output_final_state, use
     unknown = set(kwargs) - set(_GDR_KEYWORDS)
     if unknown:
         return f"arguments kernelgate does not know: {', '.join(sorted(unknown))}"
-    if not (use_qk_l2norm_in_kernel and use_beta_sigmoid_in_kernel and kwargs.get("use_gate_in_kernel")):
-        return ("not the fused layer form (kernelgate implements use_qk_l2norm_in_kernel, "
-                "use_beta_sigmoid_in_kernel and use_gate_in_kernel all True)")
     if allow_neg_eigval or state_v_first:
         return "allow_neg_eigval or state_v_first is True (kernelgate implements False only)"
-    A_log, dt_bias = kwargs.get("A_log"), kwargs.get("dt_bias")
-    tensors = (q, k, v, g, beta, A_log, dt_bias, initial_state)
+    gate = bool(kwargs.get("use_gate_in_kernel"))
+    tensors = (q, k, v, g, beta, kwargs.get("A_log"), kwargs.get("dt_bias"), initial_state)
+    grad = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+    if grad and isinstance(q, torch.Tensor) and _fla_refuses_gated_backward(q.device) \
+            and _gdr_chunked_refusal(tensors, scale, gate) is None:
+        return None  # FLA would raise in the backward; kernelgate's code has one (_gdr_serve)
+    if not (use_qk_l2norm_in_kernel and use_beta_sigmoid_in_kernel and gate):
+        return ("not the fused layer form (kernelgate implements use_qk_l2norm_in_kernel, "
+                "use_beta_sigmoid_in_kernel and use_gate_in_kernel all True)")
     why = _delta_rule_call_refusal(tensors, scale)
     if why is not None:
         return why
-    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-    refused = grad and _fla_refuses_gated_backward(q.device)
     if cu_seqlens is not None or cu_seqlens_cpu is not None:
-        if refused:
-            return None  # one call of kernelgate's op per sequence (_gdr_per_sequence)
         return ("cu_seqlens is given (kernelgate serves a varlen call only where FLA refuses its own "
-                "backward, one call of its op per sequence)")
-    if refused:
-        return None  # FLA would raise in the backward; kernelgate's op has one
+                "backward, one call per sequence)")
     return _routed_by_evidence("gated_delta_rule", tensors, {})
 
 
-def _gdr_per_sequence(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, offsets):
-    """A varlen call (the sequences packed as batch 1 between the offsets) as one call of
-    kernelgate's gated_delta_rule per sequence, on views of the packed tensors: o concatenated back
-    into the packed layout, the final states stacked one per sequence, [N, H, K, V], as FLA returns
-    them. initial_state, where given, holds one state per sequence."""
+def _gdr_chunked_refusal(tensors, scale, gate) -> Optional[str]:
+    """What kernelgate.gated_delta_rule's chunked code cannot take of a call of any of FLA's forms
+    (the three in-kernel switches either way; the gates and initial state in any float dtype), or
+    None: q and k [B, T, H, K] and v [B, T, H, V] of one float dtype, g and beta [B, T, H], A_log
+    [H] with use_gate_in_kernel (dt_bias [H] or None), on one device."""
+    q, k, v, g, beta, A_log, dt_bias, h0 = tensors
+    given = [t for t in tensors if t is not None]
+    if any(not isinstance(t, torch.Tensor) for t in given) or any(t is None for t in tensors[:5]) \
+            or (gate and A_log is None):
+        return "tensors missing"
+    if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:3] != q.shape[:3] \
+            or g.shape != q.shape[:3] or beta.shape != q.shape[:3]:
+        return "shapes"
+    H = q.shape[2]
+    if gate and (A_log.shape != (H,) or (dt_bias is not None and dt_bias.shape != (H,))):
+        return "gate shapes"
+    if q.dtype not in _FLOATS or k.dtype != q.dtype or v.dtype != q.dtype \
+            or any(t.dtype not in _FLOATS for t in given):
+        return "dtypes"
+    if len({t.device for t in given}) != 1:
+        return "devices"
+    if not isinstance(scale, (int, float, type(None))) or (scale is not None and scale <= 0):
+        return "scale"
+    return None
+
+
+def _gdr_serve(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
+               cu_seqlens, cu_seqlens_cpu, kwargs):
+    """A call the drop-in serves: kernelgate's op where it takes the call (the fused form, one dtype),
+    else the op reference's chunked code on the call's own form (only where FLA refuses its
+    backward); a varlen call one call per sequence, on views of the packed tensors, o concatenated
+    back and the final states stacked, [N, H, K, V], as FLA returns them."""
+    from .gated_delta_rule import chunked, gates
+
+    A_log, dt_bias = kwargs.get("A_log"), kwargs.get("dt_bias")
+    gate = bool(kwargs.get("use_gate_in_kernel"))
+    s = 0.0 if scale is None else float(scale)
+    if use_qk_l2norm_in_kernel and use_beta_sigmoid_in_kernel and gate and _delta_rule_call_refusal(
+            (q, k, v, g, beta, A_log, dt_bias, initial_state), scale) is None:
+        def one(sl, h0):
+            return torch.ops.kernelgate.gated_delta_rule(q[sl], k[sl], v[sl], g[sl], beta[sl], A_log, dt_bias, h0, s)
+    else:
+        def one(sl, h0):
+            decay, b = gates(q.dtype, g[sl], beta[sl], A_log if gate else None, dt_bias, use_beta_sigmoid_in_kernel)
+            return chunked(q[sl], k[sl], v[sl], decay, b, h0, s, normalize=use_qk_l2norm_in_kernel)
+    if cu_seqlens is None and cu_seqlens_cpu is None:
+        return one(slice(None), initial_state)
+    offsets = (cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens).tolist()  # on the host, as FLA
     n = len(offsets) - 1
     if initial_state is not None and (initial_state.dim() != 4 or initial_state.shape[0] != n):
         raise ValueError(f"chunk_gated_delta_rule: with cu_seqlens, initial_state must hold one state per "
                          f"sequence ([{n}, H, K, V] for {n} sequences), got shape {list(initial_state.shape)}")
     outs, states = [], []
     for i in range(n):
-        a, b = offsets[i], offsets[i + 1]
-        o, state = torch.ops.kernelgate.gated_delta_rule(
-            q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], A_log, dt_bias,
-            None if initial_state is None else initial_state[i:i + 1], scale)
+        o, state = one((slice(None), slice(offsets[i], offsets[i + 1])),
+                       None if initial_state is None else initial_state[i:i + 1])
         outs.append(o)
         states.append(state)
     return torch.cat(outs, 1), torch.cat(states, 0)
@@ -343,21 +382,17 @@ def chunk_gated_delta_rule(
     ``use_beta_sigmoid_in_kernel`` and ``use_gate_in_kernel`` with ``A_log`` all given) where evidence
     ranks a kernel for the call, and, when the call needs gradients, wherever FLA refuses its own
     backward (Hopper with Triton 3.4 to 3.7.0): there FLA's backward raises, and kernelgate's op
-    (its reference, unless evidence ranks another) computes it, for a varlen call (``cu_seqlens``)
-    one call per sequence. Every other call goes to FLA verbatim."""
+    (its reference, unless evidence ranks another) computes it — for FLA's other forms (a
+    precomputed log decay ``g``, beta after its sigmoid, q and k not normalised, gates in float32
+    beside bf16 q) its reference's chunked code on that form, and for a varlen call
+    (``cu_seqlens``) one call per sequence. Every other call goes to FLA verbatim."""
     _check_cu_seqlens(q, cu_seqlens, cu_seqlens_cpu, "chunk_gated_delta_rule")
     why = _gdr_refusal(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                        use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens, cu_seqlens_cpu,
                        chunk_indices, cp_context, kwargs)
     if why is None:
-        s = 0.0 if scale is None else float(scale)
-        if cu_seqlens is not None or cu_seqlens_cpu is not None:  # read on the host, as FLA does
-            offsets = (cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens).tolist()
-            o, state = _gdr_per_sequence(q, k, v, g, beta, kwargs["A_log"], kwargs.get("dt_bias"), initial_state,
-                                         s, offsets)
-        else:
-            o, state = torch.ops.kernelgate.gated_delta_rule(q, k, v, g, beta, kwargs["A_log"],
-                                                             kwargs.get("dt_bias"), initial_state, s)
+        o, state = _gdr_serve(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel,
+                              use_beta_sigmoid_in_kernel, cu_seqlens, cu_seqlens_cpu, kwargs)
         return o, (state if output_final_state else None)
     _log_once(why)
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gated_delta_rule

@@ -49,8 +49,30 @@ DIMS = ("q: [batch, seq, heads, dk]; k: [batch, seq, heads, dk]; v: [batch, seq,
 
 
 def gated_delta_rule_reference(q, k, v, g, beta, A_log, dt_bias, initial_state, scale):
+    decay, b = gates(q.dtype, g, beta, A_log, dt_bias)
+    return chunked(q, k, v, decay, b, initial_state, scale)
+
+
+def gates(dtype, g, beta, A_log=None, dt_bias=None, beta_logits=True):
+    """The log decay and b per step and head ([B, T, H]) in the accumulation dtype of `dtype`: the
+    decay -exp(A_log) softplus(g + dt_bias) from the raw gate, or g itself where A_log is None (a
+    precomputed log decay); b = sigmoid(beta) from logits, or beta itself (beta_logits False)."""
     import torch.nn.functional as F
 
+    acc = torch.promote_types(dtype, torch.float32)
+    if A_log is None:
+        decay = g.to(acc)
+    else:
+        x = g.to(acc) if dt_bias is None else g.to(acc) + dt_bias.to(acc)
+        decay = -torch.exp(A_log.to(acc)) * F.softplus(x)
+    return decay, torch.sigmoid(beta.to(acc)) if beta_logits else beta.to(acc)
+
+
+def chunked(q, k, v, decay, b, initial_state, scale, normalize=True):
+    """The chunked computation itself, from the log decay (<= 0) and b in [0, 1] per step and head
+    ([B, T, H], either dtype), q and k l2-normalised first unless normalize is False: the
+    reference's part after its gates (and what kernelgate.fla trains FLA's other forms through
+    where FLA refuses its own backward)."""
     acc = torch.promote_types(q.dtype, torch.float32)
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -66,10 +88,10 @@ def gated_delta_rule_reference(q, k, v, g, beta, A_log, dt_bias, initial_state, 
         x = x.reshape((B, N, C) + x.shape[2:])
         return x.permute(1, 0, 3, 2, *range(4, x.dim())).contiguous()
 
-    x = g.to(acc) if dt_bias is None else g.to(acc) + dt_bias.to(acc)
-    decay = -torch.exp(A_log.to(acc)) * F.softplus(x)  # [B, T, H]
-    Q, Kc, Vc = chunks(l2_normalize(q, acc)), chunks(l2_normalize(k, acc)), chunks(v)
-    a, b = chunks(decay), chunks(torch.sigmoid(beta.to(acc)))  # [N, B, H, C]
+    if normalize:
+        q, k = l2_normalize(q, acc), l2_normalize(k, acc)
+    Q, Kc, Vc = chunks(q), chunks(k), chunks(v)
+    a, b = chunks(decay), chunks(b)  # [N, B, H, C]
     G = a.cumsum(-1)
     t_idx = torch.arange(C, device=q.device)
     lower_eq = t_idx[:, None] >= t_idx[None, :]

@@ -402,6 +402,96 @@ def test_gdr_varlen_training_where_fla_refuses_its_backward_is_one_op_call_per_s
         kfla.chunk_gated_delta_rule(*args, initial_state=h0[:4], cu_seqlens=cu, **kw)
 
 
+def _flas_form_in_float64(q, k, v, g, beta, A_log, dt_bias, h0, form):
+    """chunk_gated_delta_rule's definition for FLA's form `form` (its three in-kernel switches),
+    step by step in float64, independent of kernelgate's chunked code."""
+    from test_kda import steps
+
+    q, k, v, g, beta = (t.double() for t in (q, k, v, g, beta))
+    if form["use_qk_l2norm_in_kernel"]:
+        q, k = (t / torch.sqrt((t * t).sum(-1, keepdim=True) + 1e-6) for t in (q, k))
+    if form["use_gate_in_kernel"]:
+        g = -torch.exp(A_log.double()) * torch.nn.functional.softplus(g + dt_bias.double())
+    b = torch.sigmoid(beta) if form["use_beta_sigmoid_in_kernel"] else beta
+    return steps(q, k, v, g[..., None].expand(q.shape), b, q.shape[-1] ** -0.5, h0.double())
+
+
+# FLA's forms other than the fused one, as models call them: Hugging Face's Qwen3-Next (a log decay
+# and beta computed in float32 beside bf16 q, k, v; q and k normalised in the kernel), FLA's layer
+# without its in-kernel gate, and the fused form with its gate parameters in float32.
+OTHER_FORMS = {
+    "qwen3_next": (dict(use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False, use_qk_l2norm_in_kernel=True),
+                   torch.bfloat16),
+    "raw_qk_beta_logits": (dict(use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=True,
+                                use_qk_l2norm_in_kernel=False), torch.float32),
+    "fused_gates_in_float32": (FUSED, torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OTHER_FORMS))
+def test_gdr_other_forms_train_through_kernelgate_where_fla_refuses_its_backward(name, monkeypatch):
+    """Where FLA refuses its gated backward, a call of another of FLA's forms that needs gradients
+    is computed by kernelgate.gated_delta_rule's reference code on that form (q, k, v in their
+    dtype, the gates in float32): its output, final state and every gradient agree with the form's
+    float64 recurrence. Without gradients, or where FLA has its backward, it goes to FLA."""
+    _other_form_case(name, "cpu", monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(OTHER_FORMS))
+def test_gpu_gdr_other_forms_train_through_kernelgate_where_fla_refuses_its_backward(name):
+    """The test above on the GPU, where FLA itself raises in that backward."""
+    _other_form_case(name, "cuda", None)
+
+
+def _other_form_case(name, device, monkeypatch):
+    form, dtype = OTHER_FORMS[name]
+    gen = torch.Generator().manual_seed(3)
+    B, T, H, K, V = 2, 70, 3, 16, 8
+    q, k = (torch.randn(B, T, H, K, generator=gen) / (1 if form["use_qk_l2norm_in_kernel"] else 4) for _ in range(2))
+    v = torch.randn(B, T, H, V, generator=gen)
+    raw_g, raw_beta = torch.randn(B, T, H, generator=gen), torch.randn(B, T, H, generator=gen)
+    A_log, dt_bias = torch.randn(H, generator=gen), torch.randn(H, generator=gen)
+    g = raw_g if form["use_gate_in_kernel"] else -torch.nn.functional.softplus(raw_g) * A_log.exp()
+    beta = raw_beta if form["use_beta_sigmoid_in_kernel"] else torch.sigmoid(raw_beta)
+    h0 = torch.randn(B, H, K, V, generator=gen)
+    leaves = [q.to(dtype), k.to(dtype), v.to(dtype), g, beta, A_log, dt_bias, h0]
+    leaves = [t.to(device).requires_grad_() for t in leaves]
+    h0 = leaves[7]
+    kw = {**form, "A_log": leaves[5], "dt_bias": leaves[6]} if form["use_gate_in_kernel"] else dict(form)
+    args = leaves[:5]
+    if device == "cpu":
+        assert kfla.explain_chunk_gated_delta_rule(*args, initial_state=h0, **kw).startswith("FLA: ")
+        monkeypatch.setattr(kfla, "_fla_refuses_gated_backward", lambda device: True)
+    else:
+        fla = fla_gdr()
+        if not kfla._fla_refuses_gated_backward(args[0].device):
+            pytest.skip("FLA runs its own backward on this GPU and Triton")
+        o, _ = fla(*args, initial_state=h0, **kw)
+        with pytest.raises(RuntimeError, match="chunk_bwd_dqkwg"):
+            o.float().sum().backward()
+    assert kfla.explain_chunk_gated_delta_rule(*args, initial_state=h0, **kw) == "kernelgate"
+    with torch.no_grad():
+        assert kfla.explain_chunk_gated_delta_rule(*args, initial_state=h0, **kw).startswith("FLA: ")
+    o, state = kfla.chunk_gated_delta_rule(*args, initial_state=h0, output_final_state=True, **kw)
+    assert o.dtype == dtype and o.shape == (B, T, H, V) and state.dtype == torch.float32
+    w = torch.randn(o.shape, generator=gen).to(device), torch.randn(state.shape, generator=gen).to(device)
+    used = leaves if form["use_gate_in_kernel"] else leaves[:5] + leaves[7:]
+    got = torch.autograd.grad((o.float() * w[0]).sum() + (state * w[1]).sum(), used)
+    o64, s64 = _flas_form_in_float64(*leaves, form)
+    want = torch.autograd.grad((o64 * w[0].double()).sum() + (s64 * w[1].double()).sum(),
+                               [t for t in used])
+    tol = dict(rtol=3e-2, atol=3e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(o.double(), o64, **tol)
+    torch.testing.assert_close(state.double(), s64, **tol)
+    names = ["q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state"]
+    for n, a, b in zip([n for n in names if form["use_gate_in_kernel"] or n not in ("A_log", "dt_bias")], got, want):
+        assert a.dtype == dict(zip(names, leaves))[n].dtype
+        # relative to the gradient's size: bf16 q, k, v round each product at 2^-8
+        b = b.double()
+        torch.testing.assert_close(a.double() / b.abs().max(), b / b.abs().max(), **tol, msg=lambda m: f"grad of {n}: {m}")
+
+
 @pytest.mark.gpu
 def test_gpu_gdr_fallback_is_bit_identical_to_fla():
     fla = fla_gdr()
