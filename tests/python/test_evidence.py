@@ -442,6 +442,40 @@ def _shipped_h200():
             if os.path.basename(p).startswith("h200-")}
 
 
+def _store_summary(path):
+    """A shipped store's fingerprints (GPU, architecture, source hash, kernelgate and torch
+    versions of its rows), ops, (backend, case) runs, backends and count per disposition."""
+    import sqlite3
+
+    con = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        return {
+            "fingerprints": con.execute(
+                "SELECT DISTINCT f.gpu_name, f.compute_capability, f.source_hash, f.kernelgate_version, "
+                "f.torch_version FROM results r JOIN fingerprints f ON f.id = r.fingerprint_id").fetchall(),
+            "ops": {r[0] for r in con.execute("SELECT DISTINCT op FROM results")},
+            "runs": set(con.execute("SELECT backend, case_id FROM results")),
+            "backends": {r[0] for r in con.execute("SELECT DISTINCT backend FROM results")},
+            "counts": dict(con.execute("SELECT disposition, COUNT(*) FROM results GROUP BY 1")),
+        }
+    finally:
+        con.close()
+
+
+def _assert_current(st, op, gpu_name):
+    """The store holds `op` only, under one fingerprint of this build on `gpu_name` (sm_90)."""
+    fps = st["fingerprints"]
+    assert st["ops"] == {op} and len(fps) == 1, (st["ops"], fps)
+    gpu, cc, source_hash, version, torch_version = fps[0]
+    assert (gpu, cc) == (gpu_name, "9.0"), fps[0]
+    now = _C.fingerprint(op)
+    assert source_hash == now["source_hash"], (
+        f"the shipped {gpu} {op} evidence is for source hash {source_hash}, this build's is "
+        f"{now['source_hash']}: measure it again on that GPU (an H200: scripts/gpu_sweep.sh OP; "
+        f"another: scripts/gpu_rerank_ship.sh) and ship its store")
+    assert version == now["kernelgate_version"] and torch_version == now["torch_version"]
+
+
 def test_every_op_not_listed_as_not_yet_ships_h200_evidence():
     ops = {o["name"] for o in kg.ops() if not o["defined_in_python"]}
     assert set(_shipped_h200()) == ops - H200_NOT_YET
@@ -467,27 +501,12 @@ def test_every_python_op_not_listed_as_not_yet_ships_h200_evidence():
 def test_shipped_h200_evidence_of_a_python_op_is_current_for_this_build(op):
     # A Python-defined op's source hash covers its reference, its eager code and what they call
     # (docs/evidence.md): a change there leaves the shipped rows stale, which this names.
-    import sqlite3
-
-    con = sqlite3.connect(f"file:{_shipped_h200()[op]}?mode=ro", uri=True)
-    fps = con.execute(
-        "SELECT DISTINCT f.gpu_name, f.compute_capability, f.source_hash, f.kernelgate_version, f.torch_version "
-        "FROM results r JOIN fingerprints f ON f.id = r.fingerprint_id").fetchall()
-    ops = {r[0] for r in con.execute("SELECT DISTINCT op FROM results")}
-    backends = {r[0] for r in con.execute("SELECT DISTINCT backend FROM results")}
-    passed = con.execute("SELECT COUNT(*) FROM results WHERE disposition = 'passed'").fetchone()[0]
-    con.close()
-    assert ops == {op} and len(fps) == 1, (ops, fps)
-    gpu, cc, source_hash, version, torch_version = fps[0]
-    assert (gpu, cc) == ("NVIDIA H200", "9.0")
-    now = _C.fingerprint(op)
-    assert source_hash == now["source_hash"], (
-        f"the shipped H200 {op} evidence is for source hash {source_hash}, this build's is "
-        f"{now['source_hash']}: re-run the sweep on an H200 and ship its store")
-    assert version == now["kernelgate_version"] and torch_version == now["torch_version"]
+    st = _store_summary(_shipped_h200()[op])
+    _assert_current(st, op, "NVIDIA H200")
+    backends = st["backends"]
     registered = {b["name"] for b in next(o for o in kg.ops() if o["name"] == op)["backends"]}
     assert backends <= registered | {b.name for b in kg_backends.BACKENDS if b.op == op}, backends
-    assert passed > 0
+    assert st["counts"].get("passed", 0) > 0
 
 
 @pytest.mark.parametrize("op", sorted({o["name"] for o in kg.ops() if not o["defined_in_python"]} - H200_NOT_YET))
@@ -496,27 +515,11 @@ def test_shipped_h200_evidence_is_current_for_this_build(op):
     # source hash included. A change to the op's files or to the shared files its hash covers
     # (docs/evidence.md) would leave H200 users on the fallback without a word: re-run the sweep
     # on an H200 (scripts/gpu_sweep.sh OP) and ship its store with the change.
-    import sqlite3
-
     path = _shipped_h200().get(op)
     assert path, f"python/kernelgate/evidence/h200-{op}.sqlite.xz is missing from the package"
-    con = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
-    fps = con.execute(
-        "SELECT DISTINCT f.gpu_name, f.compute_capability, f.source_hash, f.kernelgate_version, f.torch_version "
-        "FROM results r JOIN fingerprints f ON f.id = r.fingerprint_id").fetchall()
-    ops = {r[0] for r in con.execute("SELECT DISTINCT op FROM results")}
-    counts = dict(con.execute("SELECT disposition, COUNT(*) FROM results GROUP BY 1"))
-    backends = {r[0] for r in con.execute("SELECT DISTINCT backend FROM results")}
-    con.close()
-    assert ops == {op}
-    assert len(fps) == 1, fps
-    gpu, cc, source_hash, version, torch_version = fps[0]
-    assert (gpu, cc) == ("NVIDIA H200", "9.0")
-    now = _C.fingerprint(op)
-    assert source_hash == now["source_hash"], (
-        f"the shipped H200 {op} evidence is for source hash {source_hash}, this build's is "
-        f"{now['source_hash']}: re-run the sweep on an H200 and ship its store")
-    assert version == now["kernelgate_version"] and torch_version == now["torch_version"]
+    st = _store_summary(path)
+    _assert_current(st, op, "NVIDIA H200")
+    counts, backends = st["counts"], st["backends"]
     # Every backend the package registers for the op was swept; besides them, only the op's
     # library backends (kernelgate.backends), under their own fingerprints.
     libraries = {b.name for b in kg_backends.BACKENDS if b.op == op}
@@ -530,18 +533,15 @@ def test_shipped_h200_evidence_measured_every_production_case(op):
     limit: bench/results/h200/sweep_causal_conv1d.json), every case of the full bf16 grid at
     a production shape — each layout, optional form, grad mode and value regime the grid has
     there — was measured for every built-in backend: production calls are ranked on all of it."""
-    import sqlite3
-
     info = next(o for o in kg.ops() if o["name"] == op)
     production = {",".join(f"{k}={v}" for k, v in sorted(d.items())) for d in info["production_shapes"]}
     planned = [cid for cid, _ in _C.make_cases(op, "full", ["bfloat16"], 1, 1 << 30)]
     wanted = {cid for cid in planned if cid.split("/")[1] in production}
     assert wanted, f"no production case of {op} in the full grid"
-    con = sqlite3.connect(f"file:{_shipped_h200()[op]}?mode=ro", uri=True)
-    have = set(con.execute("SELECT backend, case_id FROM results"))
-    con.close()
+    have = _store_summary(_shipped_h200()[op])["runs"]
     missing = sorted((b, c) for b in BUILTIN_BACKENDS[op] for c in wanted if (b, c) not in have)
     assert not missing, f"{len(missing)} production runs not in the shipped store, e.g. {missing[:3]}"
+
 
 def _shipped_of_other_gpus():
     from kernelgate import evidence
@@ -557,29 +557,15 @@ def test_shipped_evidence_of_a_second_gpu_is_a_current_rerank_of_the_h200s(path)
     op whose H200 evidence ships (the lender whose verdicts fill in the cases it did not run), only
     runs the H200 store has, every one validated again there (what fails there is kept: it keeps its
     backend out of the case's region on that GPU)."""
-    import sqlite3
-
     tag, op = os.path.basename(path).split(".")[0].split("-")[:2]
     lender = _shipped_h200().get(op)
     assert lender, f"{os.path.basename(path)}: no H200 evidence of {op} ships to lend the cases it did not run"
-    con = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
-    fps = con.execute(
-        "SELECT DISTINCT f.gpu_name, f.compute_capability, f.source_hash, f.kernelgate_version, f.torch_version "
-        "FROM results r JOIN fingerprints f ON f.id = r.fingerprint_id").fetchall()
-    ops = {r[0] for r in con.execute("SELECT DISTINCT op FROM results")}
-    runs = set(con.execute("SELECT backend, case_id FROM results"))
-    counts = dict(con.execute("SELECT disposition, COUNT(*) FROM results GROUP BY 1"))
-    con.close()
-    assert ops == {op} and len(fps) == 1, (ops, fps)
-    gpu, cc, source_hash, version, torch_version = fps[0]
-    assert tag.upper() in gpu and gpu != "NVIDIA H200" and cc == "9.0", fps[0]
-    now = _C.fingerprint(op)
-    assert (source_hash, version, torch_version) == (now["source_hash"], now["kernelgate_version"],
-                                                     now["torch_version"]), (
-        f"the shipped {gpu} {op} evidence is for another build: rerank it on that GPU and ship it")
-    con = sqlite3.connect(f"file:{lender}?mode=ro", uri=True)
-    lent = set(con.execute("SELECT backend, case_id FROM results"))
-    con.close()
+    st = _store_summary(path)
+    gpu = st["fingerprints"][0][0] if st["fingerprints"] else ""
+    assert tag.upper() in gpu and gpu != "NVIDIA H200", st["fingerprints"]
+    _assert_current(st, op, gpu)
+    runs, counts = st["runs"], st["counts"]
+    lent = _store_summary(lender)["runs"]
     assert runs <= lent, sorted(runs - lent)[:3]
     assert counts.get("passed", 0) > 0, counts
 
