@@ -282,7 +282,8 @@ def _gdr_chunked_refusal(tensors, scale, gate) -> Optional[str]:
     """What kernelgate.gated_delta_rule's chunked code cannot take of a call of any of FLA's forms
     (the three in-kernel switches either way; the gates and initial state in any float dtype), or
     None: q and k [B, T, H, K] and v [B, T, H, V] of one float dtype, g and beta [B, T, H], A_log
-    [H] with use_gate_in_kernel (dt_bias [H] or None), on one device."""
+    [H] with use_gate_in_kernel (dt_bias [H] or None), initial_state [., H, K, V] or None, on one
+    device."""
     q, k, v, g, beta, A_log, dt_bias, h0 = tensors
     given = [t for t in tensors if t is not None]
     if any(not isinstance(t, torch.Tensor) for t in given) or any(t is None for t in tensors[:5]) \
@@ -294,6 +295,8 @@ def _gdr_chunked_refusal(tensors, scale, gate) -> Optional[str]:
     H = q.shape[2]
     if gate and (A_log.shape != (H,) or (dt_bias is not None and dt_bias.shape != (H,))):
         return "gate shapes"
+    if h0 is not None and (h0.dim() != 4 or h0.shape[1:] != (H, q.shape[3], v.shape[3])):
+        return "initial_state shape"  # its count (batch, or sequences with cu_seqlens): _gdr_serve
     if q.dtype not in _FLOATS or k.dtype != q.dtype or v.dtype != q.dtype \
             or any(t.dtype not in _FLOATS for t in given):
         return "dtypes"
@@ -324,6 +327,9 @@ def _gdr_serve(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, 
             decay, b = gates(q.dtype, g[sl], beta[sl], A_log if gate else None, dt_bias, use_beta_sigmoid_in_kernel)
             return chunked(q[sl], k[sl], v[sl], decay, b, h0, s, normalize=use_qk_l2norm_in_kernel)
     if cu_seqlens is None and cu_seqlens_cpu is None:
+        if initial_state is not None and initial_state.shape[0] != q.shape[0]:
+            raise ValueError(f"chunk_gated_delta_rule: initial_state must hold one state per batch entry "
+                             f"([{q.shape[0]}, H, K, V]), got shape {list(initial_state.shape)}")
         return one(slice(None), initial_state)
     offsets = (cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens).tolist()  # on the host, as FLA
     n = len(offsets) - 1

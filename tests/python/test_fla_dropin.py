@@ -473,6 +473,9 @@ def _other_form_case(name, device, monkeypatch):
     assert kfla.explain_chunk_gated_delta_rule(*args, initial_state=h0, **kw) == "kernelgate"
     with torch.no_grad():
         assert kfla.explain_chunk_gated_delta_rule(*args, initial_state=h0, **kw).startswith("FLA: ")
+    with pytest.raises(ValueError, match=r"initial_state must hold one state per batch entry \(\[2, H, K, V\]\), "
+                                         r"got shape \[1, 3, 16, 8\]"):
+        kfla.chunk_gated_delta_rule(*args, initial_state=h0[:1], **kw)
     o, state = kfla.chunk_gated_delta_rule(*args, initial_state=h0, output_final_state=True, **kw)
     assert o.dtype == dtype and o.shape == (B, T, H, V) and state.dtype == torch.float32
     w = torch.randn(o.shape, generator=gen).to(device), torch.randn(state.shape, generator=gen).to(device)
