@@ -302,9 +302,7 @@ def _gdr_chunked_refusal(tensors, scale, gate) -> Optional[str]:
         return "dtypes"
     if len({t.device for t in given}) != 1:
         return "devices"
-    if not isinstance(scale, (int, float, type(None))) or (scale is not None and scale <= 0):
-        return "scale"
-    return None
+    return _scale_refusal(scale)
 
 
 def _gdr_serve(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
@@ -318,8 +316,9 @@ def _gdr_serve(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, 
     A_log, dt_bias = kwargs.get("A_log"), kwargs.get("dt_bias")
     gate = bool(kwargs.get("use_gate_in_kernel"))
     s = 0.0 if scale is None else float(scale)
-    if use_qk_l2norm_in_kernel and use_beta_sigmoid_in_kernel and gate and _delta_rule_call_refusal(
-            (q, k, v, g, beta, A_log, dt_bias, initial_state), scale) is None:
+    via_op = use_qk_l2norm_in_kernel and use_beta_sigmoid_in_kernel and gate and _delta_rule_call_refusal(
+        (q, k, v, g, beta, A_log, dt_bias, initial_state), scale) is None
+    if via_op:
         def one(sl, h0):
             return torch.ops.kernelgate.gated_delta_rule(q[sl], k[sl], v[sl], g[sl], beta[sl], A_log, dt_bias, h0, s)
     else:
@@ -327,7 +326,7 @@ def _gdr_serve(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, 
             decay, b = gates(q.dtype, g[sl], beta[sl], A_log if gate else None, dt_bias, use_beta_sigmoid_in_kernel)
             return chunked(q[sl], k[sl], v[sl], decay, b, h0, s, normalize=use_qk_l2norm_in_kernel)
     if cu_seqlens is None and cu_seqlens_cpu is None:
-        if initial_state is not None and initial_state.shape[0] != q.shape[0]:
+        if not via_op and initial_state is not None and initial_state.shape[0] != q.shape[0]:
             raise ValueError(f"chunk_gated_delta_rule: initial_state must hold one state per batch entry "
                              f"([{q.shape[0]}, H, K, V]), got shape {list(initial_state.shape)}")
         return one(slice(None), initial_state)
@@ -358,6 +357,10 @@ def _delta_rule_call_refusal(tensors, scale) -> Optional[str]:
         return "dtypes differ (kernelgate implements one float dtype for every tensor)"
     if len({t.device for t in tensors if t is not None}) != 1:
         return "tensors on more than one device"
+    return _scale_refusal(scale)
+
+
+def _scale_refusal(scale) -> Optional[str]:
     if not isinstance(scale, (int, float, type(None))) or (scale is not None and scale <= 0):
         return f"scale={scale!r} (kernelgate implements None or a positive number)"
     return None

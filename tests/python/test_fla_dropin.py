@@ -10,6 +10,7 @@ import torch
 
 import kernelgate as kg
 from kernelgate import fla as kfla
+from test_gated_delta_rule import NAMES as GDR_NAMES  # q, k, v, g, beta, A_log, dt_bias, initial_state
 
 
 def fla_conv():
@@ -395,7 +396,7 @@ def test_gdr_varlen_training_where_fla_refuses_its_backward_is_one_op_call_per_s
     want = torch.autograd.grad((torch.cat(outs, 1) * weights[0]).sum() + (torch.cat(states) * weights[1]).sum(),
                                leaves)
     assert torch.equal(o, torch.cat(outs, 1)) and torch.equal(state, torch.cat(states))
-    for name, a, b in zip(["q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state"], got, want):
+    for name, a, b in zip(GDR_NAMES, got, want):
         assert torch.equal(a, b), name
     with pytest.raises(ValueError, match=r"chunk_gated_delta_rule: with cu_seqlens, initial_state must hold one "
                                          r"state per sequence \(\[5, H, K, V\] for 5 sequences\), got shape \[4, 3, 16, 8\]"):
@@ -482,14 +483,13 @@ def _other_form_case(name, device, monkeypatch):
     used = leaves if form["use_gate_in_kernel"] else leaves[:5] + leaves[7:]
     got = torch.autograd.grad((o.float() * w[0]).sum() + (state * w[1]).sum(), used)
     o64, s64 = _flas_form_in_float64(*leaves, form)
-    want = torch.autograd.grad((o64 * w[0].double()).sum() + (s64 * w[1].double()).sum(),
-                               [t for t in used])
+    want = torch.autograd.grad((o64 * w[0].double()).sum() + (s64 * w[1].double()).sum(), used)
     tol = dict(rtol=3e-2, atol=3e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(o.double(), o64, **tol)
     torch.testing.assert_close(state.double(), s64, **tol)
-    names = ["q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state"]
-    for n, a, b in zip([n for n in names if form["use_gate_in_kernel"] or n not in ("A_log", "dt_bias")], got, want):
-        assert a.dtype == dict(zip(names, leaves))[n].dtype
+    for n, a, b in zip([n for n in GDR_NAMES if form["use_gate_in_kernel"] or n not in ("A_log", "dt_bias")],
+                       got, want):
+        assert a.dtype == dict(zip(GDR_NAMES, leaves))[n].dtype
         # relative to the gradient's size: bf16 q, k, v round each product at 2^-8
         b = b.double()
         torch.testing.assert_close(a.double() / b.abs().max(), b / b.abs().max(), **tol, msg=lambda m: f"grad of {n}: {m}")
